@@ -1,0 +1,21 @@
+"""mfsdp_optim: make any torch.optim optimizer a correct and fast citizen of FSDP2 training."""
+
+from ._version import __version__
+from .stats import (
+    GradStats,
+    clip_grads_with_norm_,
+    count_replication,
+    count_zeros,
+    get_grad_norm,
+    grad_stats,
+)
+
+__all__ = [
+    "__version__",
+    "GradStats",
+    "clip_grads_with_norm_",
+    "count_replication",
+    "count_zeros",
+    "get_grad_norm",
+    "grad_stats",
+]

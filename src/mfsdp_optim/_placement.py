@@ -1,0 +1,92 @@
+"""Placement facts about DTensors: replication, the canonical replica, validation.
+
+Everything here reads a DTensor's spec (mesh and placements) and never its data, so it costs no
+device work and no collective. Results are cached per (mesh, placements) pair: a model has a
+handful of distinct layouts however many parameters it holds.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
+
+__all__ = ["LayoutInfo", "layout_info", "require_dtensor", "mesh_ranks_outside_group"]
+
+
+class LayoutInfo(NamedTuple):
+    """What one rank needs to know to contribute a shard to a global statistic.
+
+    replication: how many ranks hold an identical copy of this rank's local shard, the product of
+        ``mesh.size(d)`` over the mesh dims ``d`` whose placement is ``Replicate()``.
+    canonical: True on exactly one rank of each set of replicas (the one at coordinate 0 along
+        every replicated mesh dim). Integer statistics are counted there alone, so they stay exact.
+    """
+
+    replication: int
+    canonical: bool
+
+
+def require_dtensor(tensor: object, what: str) -> DTensor:
+    """Return ``tensor`` as a DTensor, or raise a TypeError naming ``what``.
+
+    A plain tensor carries no layout, so no rank could know whether its peers hold copies of it
+    or other pieces; guessing would silently miscount. Partial placements are refused too: their
+    local values are addends of a pending reduction, not pieces of the global tensor.
+    """
+    if not isinstance(tensor, DTensor):
+        kind = type(tensor).__name__
+        raise TypeError(
+            f"{what} is a {kind}, expected a DTensor: mfsdp_optim reads each gradient's mesh and "
+            "placements to count it exactly once. Wrap it with DTensor.from_local(t, mesh, "
+            "placements) or pass the gradients of fully_shard parameters."
+        )
+    placements = tensor.placements
+    if any(p.is_partial() for p in placements):
+        raise ValueError(
+            f"{what} has a Partial placement {tuple(placements)}: its local values are pending "
+            "addends, not pieces of the global tensor. Reduce it first, e.g. "
+            "t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in "
+            "t.placements])."
+        )
+    return tensor
+
+
+def layout_info(tensor: DTensor) -> LayoutInfo:
+    """Replication and canonical-replica flag of ``tensor``'s local shard on this rank."""
+    return _layout_info(tensor.device_mesh, tuple(tensor.placements))
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout_info(mesh: DeviceMesh, placements: tuple[Placement, ...]) -> LayoutInfo:
+    coordinate = mesh.get_coordinate()
+    replication = 1
+    canonical = True
+    for dim, placement in enumerate(placements):
+        if placement.is_replicate():
+            replication *= mesh.size(dim)
+            if coordinate is not None and coordinate[dim] != 0:
+                canonical = False
+    return LayoutInfo(replication, canonical)
+
+
+def mesh_ranks_outside_group(mesh: DeviceMesh, group: dist.ProcessGroup | None) -> list[int]:
+    """Global ranks of ``mesh`` that ``group`` does not contain (empty when it holds them all)."""
+    return list(_mesh_ranks_outside_group(mesh, group))
+
+
+@functools.lru_cache(maxsize=1024)
+def _mesh_ranks_outside_group(
+    mesh: DeviceMesh, group: dist.ProcessGroup | None
+) -> tuple[int, ...]:
+    if group is None or group is dist.group.WORLD:
+        members = set(range(dist.get_world_size()))
+    else:
+        members = set(dist.get_process_group_ranks(group))
+    mesh_ranks = torch.as_tensor(mesh.mesh).flatten().tolist()
+    return tuple(sorted(r for r in mesh_ranks if r not in members))

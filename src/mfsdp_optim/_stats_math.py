@@ -1,0 +1,108 @@
+"""The pure core of the stats layer: one rank's contribution and how contributions combine.
+
+Nothing here touches a process group. A *contribution* is a float64 vector of three slots::
+
+    [norm_slot, zeros, nonfinite]
+
+* ``norm_slot``: for a finite ``p`` the sum over local shards of ``||shard||_p ** p / replication``;
+  for ``p = inf`` the largest ``max|x|`` of any local shard (replicas hold the same maximum, so
+  nothing is divided).
+* ``zeros``: zero elements of the local shards, counted on the canonical replica alone, so the sum
+  over ranks counts every global element exactly once. float64 holds integers exactly up to 2**53.
+* ``nonfinite``: how many local shards hold a NaN or an inf (replicas included).
+
+Contributions of a finite ``p`` combine by summation, which is exactly what one all-reduce(SUM)
+does. Those of ``p = inf`` need a maximum in the first slot and sums in the others, so they are
+gathered and combined by :func:`combine_contributions`, which is also what combines the groups of
+one rank. Accumulation is float64 throughout: a float32 grad of 1e30 squares to 1e60 without
+overflow, and the zero count stays exact far past 2**24.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "NORM_SLOT",
+    "ZEROS_SLOT",
+    "NONFINITE_SLOT",
+    "check_norm_type",
+    "shard_contribution",
+    "combine_contributions",
+    "finish_norm",
+]
+
+NORM_SLOT, ZEROS_SLOT, NONFINITE_SLOT = 0, 1, 2
+_ACC = torch.float64
+
+
+def check_norm_type(norm_type: float) -> float:
+    """Return ``norm_type`` as a float, or raise a ValueError unless it is > 0 or inf."""
+    try:
+        p = float(norm_type)
+    except (TypeError, ValueError):
+        raise TypeError(f"norm_type must be a number > 0 or inf, got {norm_type!r}") from None
+    if not p > 0:  # also refuses NaN
+        raise ValueError(f"norm_type must be > 0 or inf, got {norm_type!r}")
+    return p
+
+
+def empty_contribution(device: torch.device) -> torch.Tensor:
+    """The contribution of a rank that holds no elements: the identity of both combines."""
+    return torch.zeros(3, dtype=_ACC, device=device)
+
+
+def shard_contribution(
+    tensors: Sequence[torch.Tensor],
+    *,
+    norm_type: float,
+    replication: int,
+    canonical: bool,
+    count_zeros: bool,
+) -> torch.Tensor:
+    """Contribution of local shards that share a device, a dtype and a layout.
+
+    ``tensors`` are plain local tensors; every one of them is held identically by ``replication``
+    ranks, and ``canonical`` says whether this rank is the one that counts their zeros. Runs as a
+    few multi-tensor kernels (``torch._foreach_norm``) whatever the number of tensors, and never
+    synchronises with the host. The result is a float64 vector on the tensors' device.
+    """
+    tensors = [t for t in tensors if t.numel() > 0]
+    if not tensors:
+        raise ValueError("shard_contribution needs at least one non-empty tensor")
+    device = tensors[0].device
+    norms = torch.stack(torch._foreach_norm(tensors, norm_type, dtype=_ACC))
+    if math.isinf(norm_type):
+        norm_slot = norms.max()
+    else:
+        norm_slot = norms.pow(norm_type).sum() / replication
+    nonfinite = (~torch.isfinite(norms)).sum(dtype=_ACC)
+    if count_zeros and canonical:
+        numel = sum(t.numel() for t in tensors)
+        nonzeros = torch.stack(torch._foreach_norm(tensors, 0, dtype=_ACC)).sum()
+        zeros = numel - nonzeros
+    else:
+        zeros = torch.zeros((), dtype=_ACC, device=device)
+    return torch.stack([norm_slot.to(_ACC), zeros, nonfinite])
+
+
+def combine_contributions(rows: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """Combine contributions stacked as rows of a ``(k, 3)`` tensor into one contribution.
+
+    Sums every slot, except the norm slot of ``p = inf``, which takes the maximum (NaN wins, so a
+    NaN anywhere stays visible).
+    """
+    total = rows.sum(dim=0)
+    if math.isinf(norm_type) and rows.shape[0] > 0:
+        total[NORM_SLOT] = rows[:, NORM_SLOT].amax()
+    return total
+
+
+def finish_norm(norm_slot: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """Turn the combined norm slot into the norm, as a 0-d float32 tensor."""
+    if math.isinf(norm_type):
+        return norm_slot.to(torch.float32)
+    return norm_slot.pow(1.0 / norm_type).to(torch.float32)

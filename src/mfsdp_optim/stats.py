@@ -1,0 +1,255 @@
+"""The stats layer: exact global gradient norms, zero counts and non-finite flags over DTensors.
+
+Every function here takes gradients as DTensors, each on its own mesh (dense grads on the whole
+world, expert grads on an expert-data-parallel stripe, TP+FSDP grads on a 2-D mesh, ...), and
+answers a question about the *global* tensors with ONE collective over the grad-stats group.
+
+How a rank contributes, worked on a 2x2 mesh ``("dp_rep", "dp_shard")`` with placements
+``(Replicate(), Shard(0))`` and a global grad ``g = [3, 4, 0, 12]``:
+
+=====  ==========  ============  =========================  ===================
+rank   coordinate  local shard   ``||local||_2 ** 2 / 2``   zeros (canonical)
+=====  ==========  ============  =========================  ===================
+0      (0, 0)      [3, 4]        12.5                       0
+1      (0, 1)      [0, 12]       72                         1
+2      (1, 0)      [3, 4]        12.5                       (replica: 0)
+3      (1, 1)      [0, 12]       72                         (replica: 0)
+=====  ==========  ============  =========================  ===================
+
+The all-reduce(SUM) over the group gives 169 = 9 + 16 + 0 + 144, so the norm is 13 on every rank,
+and one zero. ``Shard`` and ``_StridedShard`` dims hold disjoint pieces (factor 1); ``Replicate``
+dims hold copies (divide by their size); ``Partial`` is refused.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from . import _fused
+from ._placement import layout_info, mesh_ranks_outside_group, require_dtensor
+from ._stats_math import (
+    NONFINITE_SLOT,
+    NORM_SLOT,
+    ZEROS_SLOT,
+    check_norm_type,
+    combine_contributions,
+    empty_contribution,
+    finish_norm,
+    shard_contribution,
+)
+
+__all__ = [
+    "GradStats",
+    "count_replication",
+    "get_grad_norm",
+    "count_zeros",
+    "grad_stats",
+    "clip_grads_with_norm_",
+]
+
+_MAX_NORM_EPS = 1e-6
+
+
+class GradStats(NamedTuple):
+    """Global gradient statistics, equal on every rank of the grad-stats group.
+
+    total_norm: 0-d float32, the norm of the concatenation of the global tensors.
+    num_zeros: 0-d int64, zero elements of the global tensors, each counted once (None when not
+        asked for).
+    found_inf: 0-d bool, True on every rank when any element of any local shard on any rank,
+        replicas included, is NaN or inf.
+    """
+
+    total_norm: torch.Tensor
+    num_zeros: torch.Tensor | None
+    found_inf: torch.Tensor
+
+
+def count_replication(tensor: DTensor) -> int:
+    """How many ranks hold an identical copy of ``tensor``'s local shard.
+
+    The product of ``mesh.size(d)`` over the mesh dims ``d`` whose placement is ``Replicate()``;
+    ``Shard`` and ``_StridedShard`` dims hold disjoint pieces and count 1. On a 2x2 mesh with
+    placements ``(Replicate(), Shard(0))`` it is 2. Plain tensors raise TypeError, ``Partial``
+    placements ValueError.
+    """
+    return layout_info(require_dtensor(tensor, "tensor")).replication
+
+
+def grad_stats(
+    grads: Iterable[DTensor],
+    *,
+    norm_type: float = 2.0,
+    count_zeros: bool = False,
+    group: dist.ProcessGroup | None = None,
+) -> GradStats:
+    """Global norm, zero count and non-finite flag of ``grads``, from ONE collective.
+
+    Placements: Replicate, Shard and _StridedShard on any mesh, any mix of meshes, uneven and
+    empty local shards. Each rank contributes, per local shard, ``||shard||_p ** p`` divided by
+    the shard's replication (for ``p = inf``: its ``max|x|``), its zero count if it is the shard's
+    canonical replica, and whether the shard holds a NaN or an inf. One all-reduce(SUM) over
+    ``group`` (default: WORLD) combines them; for ``p = inf`` one all-gather, since the maximum
+    and the sums travel together. Every rank of ``group`` must call, a rank without grads with an
+    empty iterable. Local work is grouped by (device, dtype, layout) and runs as multi-tensor
+    kernels (a fused Triton kernel on CUDA when available); accumulation is float64. Nothing here
+    synchronises with the host except moving a contribution between devices when the grads and
+    the group's backend live on different ones.
+
+    Returns :class:`GradStats` with tensors on the group's collective device.
+    """
+    p = check_norm_type(norm_type)
+    buckets = _bucket_local_shards(grads, group)
+    device = _collective_device(group)
+    local = _local_contribution(buckets, p, count_zeros, device)
+    total = _all_combine(local, p, group)
+    num_zeros = total[ZEROS_SLOT].round().to(torch.int64) if count_zeros else None
+    return GradStats(
+        total_norm=finish_norm(total[NORM_SLOT], p),
+        num_zeros=num_zeros,
+        found_inf=total[NONFINITE_SLOT] > 0,
+    )
+
+
+def get_grad_norm(
+    grads: Iterable[DTensor],
+    norm_type: float = 2.0,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """The ``norm_type`` norm of the concatenated global tensors: a 0-d float32 tensor, equal on
+    every rank of ``group``. Same placements, contributions and single collective as
+    :func:`grad_stats`; 0 when every rank passes nothing."""
+    return grad_stats(grads, norm_type=norm_type, group=group).total_norm
+
+
+def count_zeros(
+    grads: Iterable[DTensor], group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Zero elements of the global tensors, each counted once: a 0-d int64 tensor, equal on every
+    rank of ``group``. Each rank counts the zeros of the shards it is the canonical replica of
+    (coordinate 0 along every replicated mesh dim); one all-reduce(SUM) adds them. Exact up to
+    2**53 elements."""
+    stats = grad_stats(grads, count_zeros=True, group=group)
+    assert stats.num_zeros is not None
+    return stats.num_zeros
+
+
+def clip_grads_with_norm_(
+    grads: Iterable[DTensor], max_norm: float, total_norm: torch.Tensor
+) -> None:
+    """Scale every grad in place by ``min(1, max_norm / (total_norm + 1e-6))``.
+
+    Works on the local shards of any mix of meshes (scaling commutes with any placement), with
+    one multi-tensor multiply per (device, dtype) and no host synchronisation: the coefficient
+    stays a tensor. ``total_norm`` is typically :func:`get_grad_norm`'s result.
+    """
+    max_norm = float(max_norm)
+    if not max_norm > 0:
+        raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
+    by_device_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(
+        list
+    )
+    for i, grad in enumerate(grads):
+        local = require_dtensor(grad, f"grads[{i}]")._local_tensor
+        by_device_dtype[(local.device, local.dtype)].append(local)
+    if not by_device_dtype:
+        return
+    coef = (max_norm / (total_norm.to(torch.float32) + _MAX_NORM_EPS)).clamp(max=1.0)
+    for (device, dtype), tensors in by_device_dtype.items():
+        torch._foreach_mul_(tensors, coef.to(device=device, dtype=dtype, non_blocking=True))
+
+
+# --------------------------------------------------------------------------------------------
+# internals
+
+
+_BucketKey = tuple[torch.device, torch.dtype, int, bool]
+
+
+def _bucket_local_shards(
+    grads: Iterable[DTensor], group: dist.ProcessGroup | None
+) -> dict[_BucketKey, list[torch.Tensor]]:
+    """Validate ``grads`` and group their non-empty local shards by (device, dtype, layout)."""
+    if dist.get_rank(group) < 0:
+        raise ValueError(
+            f"rank {dist.get_rank()} is not in the grad-stats group but called a stats function; "
+            "only the group's ranks take part. Pass a group that holds every rank with grads."
+        )
+    buckets: dict[_BucketKey, list[torch.Tensor]] = defaultdict(list)
+    checked_meshes: set[int] = set()
+    for i, grad in enumerate(grads):
+        what = f"grads[{i}]"
+        dt = require_dtensor(grad, what)
+        mesh = dt.device_mesh
+        if id(mesh) not in checked_meshes:
+            outside = mesh_ranks_outside_group(mesh, group)
+            if outside:
+                raise ValueError(
+                    f"{what} lives on mesh {mesh} whose ranks {outside} are not in the grad-stats "
+                    "group, so their shards would be missed. Use a group that spans every rank "
+                    "holding grads (default: WORLD)."
+                )
+            checked_meshes.add(id(mesh))
+        local = dt._local_tensor
+        if local.numel() == 0:
+            continue
+        info = layout_info(dt)
+        buckets[(local.device, local.dtype, info.replication, info.canonical)].append(local)
+    return buckets
+
+
+def _local_contribution(
+    buckets: dict[_BucketKey, list[torch.Tensor]],
+    norm_type: float,
+    count_zeros: bool,
+    device: torch.device,
+) -> torch.Tensor:
+    rows = [empty_contribution(device)]
+    for (_, _, replication, canonical), tensors in buckets.items():
+        row = _fused.shard_contribution(
+            tensors,
+            norm_type=norm_type,
+            replication=replication,
+            canonical=canonical,
+            count_zeros=count_zeros,
+        )
+        if row is None:
+            row = shard_contribution(
+                tensors,
+                norm_type=norm_type,
+                replication=replication,
+                canonical=canonical,
+                count_zeros=count_zeros,
+            )
+        rows.append(row.to(device, non_blocking=True))
+    return combine_contributions(torch.stack(rows), norm_type)
+
+
+def _all_combine(
+    local: torch.Tensor, norm_type: float, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Combine every rank's contribution with one collective."""
+    if not math.isinf(norm_type):
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
+        return local
+    gathered = local.new_empty((dist.get_world_size(group), local.numel()))
+    dist.all_gather_into_tensor(gathered, local, group=group)
+    return combine_contributions(gathered, norm_type)
+
+
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The device the group's collectives run on: the accelerator for NCCL-like backends, else
+    the CPU. Chosen from the group alone, so every rank picks the same backend."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if "xccl" in backend and hasattr(torch, "xpu") and torch.xpu.is_available():
+        return torch.device("xpu", torch.xpu.current_device())
+    return torch.device("cpu")

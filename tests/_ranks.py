@@ -1,0 +1,198 @@
+"""Persistent pools of real gloo ranks for the test suite.
+
+Spawning a fresh group of processes per test costs ~40 s on 2 cores; a hypothesis example per
+spawn is out of the question. Instead each world size gets one pool of long-lived worker
+processes, forked from a forkserver that has already imported torch, joined into one real gloo
+process group. A test sends a module-level function (pickled by reference) and its arguments to
+every rank and gets back each rank's return value, so a hypothesis example costs a few
+milliseconds of queue traffic plus the real collectives.
+
+Hangs become failures: every task has a deadline; when it passes (or a rank fails and the others
+do not finish within a short grace), every live rank dumps all its thread stacks through
+faulthandler, the pool is torn down, and the test fails with each rank's traceback. The next test
+gets a fresh pool, so one deadlock never poisons the suite.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["RankPool", "RankFailure", "get_pool", "shutdown_pools"]
+
+_PG_TIMEOUT_S = float(os.environ.get("MFSDP_TEST_PG_TIMEOUT", "60"))
+_ERROR_GRACE_S = 10.0
+_MAX_LIVE_RANKS = int(os.environ.get("MFSDP_TEST_MAX_LIVE_RANKS", "15"))
+
+
+class RankFailure(AssertionError):
+    """A task failed or hung on at least one rank; the message holds every rank's story."""
+
+
+def _worker_main(rank, world_size, init_file, tasks, results, sys_path, stack_file):
+    sys.path[:] = sys_path
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    # torch warns on every multi-dim full_tensor(); the tests call it on purpose
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    stacks = open(stack_file, "w")  # noqa: SIM115 - lives as long as the worker
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=_PG_TIMEOUT_S),
+    )
+    results.put((rank, "ready", None))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            value = fn(*args, **kwargs)
+            results.put((rank, "ok", value))
+        except BaseException:  # report everything, including assertion errors
+            results.put((rank, "error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` live gloo ranks that run the same function together."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor"])
+        self._dir = tempfile.mkdtemp(prefix=f"mfsdp_ranks{world_size}_")
+        init_file = os.path.join(self._dir, "init")
+        self._stack_files = [os.path.join(self._dir, f"stacks{r}.txt") for r in range(world_size)]
+        self._tasks = [ctx.SimpleQueue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(
+                target=_worker_main,
+                args=(r, world_size, init_file, self._tasks[r], self._results, list(sys.path),
+                      self._stack_files[r]),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
+        self._collect("ready", timeout=180.0)
+        self.alive = True
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any):
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order."""
+        if not self.alive:
+            raise RuntimeError("this rank pool was shut down")
+        for queue in self._tasks:
+            queue.put((fn, args, kwargs))
+        return self._collect(getattr(fn, "__qualname__", repr(fn)), timeout)
+
+    def _collect(self, what: str, timeout: float) -> list[Any]:
+        values: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while len(values) + len(errors) < self.world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, status, value = self._results.get(timeout=min(remaining, 1.0))
+            except Exception:  # queue.Empty: check for dead workers and keep waiting
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead:
+                    errors.update({r: f"process died (exit code {self._procs[r].exitcode})"
+                                   for r in dead if r not in values and r not in errors})
+                continue
+            if status == "error":
+                errors[rank] = value
+                deadline = min(deadline, time.monotonic() + _ERROR_GRACE_S)
+            else:
+                values[rank] = value
+        if not errors and len(values) == self.world_size:
+            return [values[r] for r in range(self.world_size)]
+        missing = [r for r in range(self.world_size) if r not in values and r not in errors]
+        stacks = self._dump_stacks(missing)
+        if missing or not all(p.is_alive() for p in self._procs):
+            # a rank is stuck (in a collective, probably) or gone: this pool is unusable
+            self.shutdown()
+        lines = [f"{what} failed on {self.world_size} ranks"]
+        for r in range(self.world_size):
+            if r in errors:
+                lines.append(f"--- rank {r}: raised\n{errors[r]}")
+            elif r in missing:
+                lines.append(f"--- rank {r}: did not finish (hang?); its threads:\n{stacks[r]}")
+            else:
+                lines.append(f"--- rank {r}: ok")
+        raise RankFailure("\n".join(lines))
+
+    def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+        for r in ranks:
+            if self._procs[r].is_alive() and self._procs[r].pid is not None:
+                os.kill(self._procs[r].pid, signal.SIGUSR1)
+        time.sleep(1.0 if ranks else 0.0)
+        out = {}
+        for r in ranks:
+            try:
+                with open(self._stack_files[r]) as f:
+                    out[r] = f.read()[-6000:]
+            except OSError as exc:
+                out[r] = f"(no stacks: {exc})"
+        return out
+
+    def shutdown(self) -> None:
+        if not getattr(self, "alive", True):
+            return
+        self.alive = False
+        for proc, queue in zip(self._procs, self._tasks):
+            if proc.is_alive():
+                try:
+                    queue.put(None)
+                except Exception:
+                    pass
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+
+_POOLS: dict[int, RankPool] = {}
+
+
+def get_pool(world_size: int) -> RankPool:
+    """The live pool for ``world_size``, starting one (and retiring the least recently used pools
+    while more than ``MFSDP_TEST_MAX_LIVE_RANKS`` ranks would be alive)."""
+    pool = _POOLS.pop(world_size, None)
+    if pool is None or not pool.alive:
+        live = sum(p.world_size for p in _POOLS.values())
+        for ws in list(_POOLS):
+            if live + world_size <= _MAX_LIVE_RANKS:
+                break
+            live -= ws
+            _POOLS.pop(ws).shutdown()
+        pool = RankPool(world_size)
+    _POOLS[world_size] = pool  # most recently used last
+    return pool
+
+
+def shutdown_pools() -> None:
+    while _POOLS:
+        _POOLS.popitem()[1].shutdown()

@@ -1,0 +1,39 @@
+"""Shared fixtures: persistent gloo rank pools (see _ranks.py) and hypothesis profiles."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _ranks import get_pool, shutdown_pools  # noqa: E402
+
+settings.register_profile(
+    "ci",
+    max_examples=int(os.environ.get("MFSDP_HYPOTHESIS_EXAMPLES", "25")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    derandomize=True,
+    print_blob=True,
+)
+settings.register_profile(
+    "thorough",
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def ranks():
+    """``ranks(world_size)`` -> a live RankPool; ``pool.run(fn, *args)`` runs fn on every rank."""
+    return get_pool
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutdown_pools()
