@@ -1,0 +1,33 @@
+"""How the wrapper describes its parameters to the checkpoint layer.
+
+The checkpoint layer works on (base optimizer, records) and never on the wrapper itself, so it
+serves any optimizer over DTensor params: one whose params are the DTensors themselves, one that
+the wrapper feeds local-shard aliases, and ranks where a param was filtered out of the base
+optimizer (empty local shard).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["ParamRecord"]
+
+
+@dataclass(frozen=True)
+class ParamRecord:
+    """One trainable parameter as the checkpoint layer sees it.
+
+    fqn: the parameter's fully qualified name (unique across model chunks).
+    param: the model's DTensor parameter: its mesh, placements and global shape define the layout
+        of every state tensor of the same shape.
+    opt_param: the tensor object the base optimizer holds for it on this rank (the DTensor itself,
+        or a plain local-shard alias that shares its storage), or None when this rank's base
+        optimizer does not hold it (empty-shard filter).
+    """
+
+    fqn: str
+    param: DTensor
+    opt_param: torch.Tensor | None
