@@ -55,6 +55,7 @@ __all__ = [
 ]
 
 _MAX_NORM_EPS = 1e-6
+_FAILED_SLOT = 3  # appended to the contribution: how many ranks refused their input
 
 
 class GradStats(NamedTuple):
@@ -103,18 +104,36 @@ def grad_stats(
     synchronises with the host except moving a contribution between devices when the grads and
     the group's backend live on different ones.
 
+    Bad input (a plain tensor, a ``Partial`` placement, a mesh with ranks outside ``group``) is
+    refused on the rank that holds it with TypeError/ValueError, but only after that rank has
+    joined the collective: no rank is left waiting, and every other rank sees a NaN norm and
+    ``found_inf=True`` rather than a silently wrong value.
+
     Returns :class:`GradStats` with tensors on the group's collective device.
     """
     p = check_norm_type(norm_type)
-    buckets = _bucket_local_shards(grads, group)
+    _require_member(group)
     device = _collective_device(group)
-    local = _local_contribution(buckets, p, count_zeros, device)
+    try:
+        local = _local_contribution(_bucket_local_shards(grads, group), p, count_zeros, device)
+        local = torch.nn.functional.pad(local, (0, 1))  # the failed-ranks slot: 0
+        failure: Exception | None = None
+    except (TypeError, ValueError) as exc:
+        # Still join the collective, so the other ranks do not hang waiting for this one; they
+        # see a NaN norm and found_inf, and this rank raises once the collective is done.
+        local = torch.zeros(_FAILED_SLOT + 1, dtype=torch.float64, device=device)
+        local[_FAILED_SLOT] = 1.0
+        failure = exc
     total = _all_combine(local, p, group)
+    if failure is not None:
+        raise failure
+    failed = total[_FAILED_SLOT] > 0
+    norm = finish_norm(total[NORM_SLOT], p)
     num_zeros = total[ZEROS_SLOT].round().to(torch.int64) if count_zeros else None
     return GradStats(
-        total_norm=finish_norm(total[NORM_SLOT], p),
+        total_norm=torch.where(failed, torch.nan, norm),
         num_zeros=num_zeros,
-        found_inf=total[NONFINITE_SLOT] > 0,
+        found_inf=(total[NONFINITE_SLOT] > 0) | failed,
     )
 
 
@@ -162,8 +181,10 @@ def clip_grads_with_norm_(
     if not by_device_dtype:
         return
     coef = (max_norm / (total_norm.to(torch.float32) + _MAX_NORM_EPS)).clamp(max=1.0)
-    for (device, dtype), tensors in by_device_dtype.items():
-        torch._foreach_mul_(tensors, coef.to(device=device, dtype=dtype, non_blocking=True))
+    for (device, _), tensors in by_device_dtype.items():
+        # the float32 coefficient multiplies in float32 math: a tiny coefficient cast to fp16
+        # first would lose its precision (or flush to zero)
+        torch._foreach_mul_(tensors, coef.to(device=device, non_blocking=True))
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,11 +198,6 @@ def _bucket_local_shards(
     grads: Iterable[DTensor], group: dist.ProcessGroup | None
 ) -> dict[_BucketKey, list[torch.Tensor]]:
     """Validate ``grads`` and group their non-empty local shards by (device, dtype, layout)."""
-    if dist.get_rank(group) < 0:
-        raise ValueError(
-            f"rank {dist.get_rank()} is not in the grad-stats group but called a stats function; "
-            "only the group's ranks take part. Pass a group that holds every rank with grads."
-        )
     buckets: dict[_BucketKey, list[torch.Tensor]] = defaultdict(list)
     checked_meshes: set[int] = set()
     for i, grad in enumerate(grads):
@@ -203,6 +219,14 @@ def _bucket_local_shards(
         info = layout_info(dt)
         buckets[(local.device, local.dtype, info.replication, info.canonical)].append(local)
     return buckets
+
+
+def _require_member(group: dist.ProcessGroup | None) -> None:
+    if dist.get_rank(group) < 0:
+        raise ValueError(
+            f"rank {dist.get_rank()} is not in the grad-stats group but called a stats function; "
+            "only the group's ranks take part. Pass a group that holds every rank with grads."
+        )
 
 
 def _local_contribution(
@@ -239,9 +263,11 @@ def _all_combine(
     if not math.isinf(norm_type):
         dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
         return local
-    gathered = local.new_empty((dist.get_world_size(group), local.numel()))
-    dist.all_gather_into_tensor(gathered, local, group=group)
-    return combine_contributions(gathered, norm_type)
+    gathered = local.new_empty(dist.get_world_size(group) * local.numel())
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather(gathered, local, group=group)
+    return combine_contributions(gathered.view(-1, local.numel()), norm_type)
 
 
 def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
