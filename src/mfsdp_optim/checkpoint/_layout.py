@@ -1,0 +1,97 @@
+"""How one optimizer state value of one parameter appears in the fsdp_dtensor layout.
+
+A state value is one of four kinds (the letter is what the keyspace description carries):
+
+``"t"``  a tensor shaped like the parameter: a DTensor with the parameter's mesh, placements and
+         global shape, or a plain tensor with the local shard's shape (an optimizer fed
+         ``param._local_tensor`` aliases), which is wrapped with ``DTensor.from_local`` (no copy).
+``"s"``  a 0-d plain tensor scalar such as torch Adam's ``step``; stays a plain tensor, so DCP
+         deduplicates it across ranks and every rank must hold the same value.
+``"n"``  a plain Python value (a number ``step`` of an older optimizer, ``None``, a string).
+
+Anything else (a plain tensor that is neither the local shard's shape nor 0-d, or a DTensor with
+another global shape, e.g. factored second moments) cannot be resharded from the parameter's
+layout and is refused with a message naming the parameter and key.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ._values import dtype_from_name, dtype_name
+
+__all__ = ["StateLayoutError", "Slot", "classify", "placeholder", "wrap"]
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+class StateLayoutError(ValueError):
+    """A state value whose layout cannot be derived from its parameter's."""
+
+
+class Slot(NamedTuple):
+    """What a rank knows about one state key of one parameter: kind, dtype name, scalar value."""
+
+    kind: str
+    dtype: str | None
+    value: Any
+
+
+def local_shape(param: DTensor) -> torch.Size:
+    return param._local_tensor.shape
+
+
+def classify(fqn: str, key: str, value: Any, param: DTensor) -> Slot:
+    """The kind of ``value``; the value of an ``"s"`` slot is filled in later, batched."""
+    if isinstance(value, DTensor):
+        if value.shape != param.shape:
+            raise StateLayoutError(
+                f"state {fqn!r}[{key!r}] is a DTensor of global shape {tuple(value.shape)}, "
+                f"its parameter's is {tuple(param.shape)}: only parameter-shaped state reshards"
+            )
+        return Slot("t", dtype_name(value.dtype), None)
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 and (param.dim() > 0 or key == "step"):
+            return Slot("s", dtype_name(value.dtype), None)
+        if value.shape == local_shape(param):
+            return Slot("t", dtype_name(value.dtype), None)
+        raise StateLayoutError(
+            f"state {fqn!r}[{key!r}] is a plain tensor of shape {tuple(value.shape)}, neither the "
+            f"local shard's shape {tuple(local_shape(param))} nor a 0-d scalar: its layout "
+            "across ranks is unknown, so it cannot be checkpointed as a resharding DTensor"
+        )
+    if isinstance(value, _PLAIN):
+        return Slot("n", None, value)
+    raise StateLayoutError(
+        f"state {fqn!r}[{key!r}] is a {type(value).__name__}; expected a tensor or a plain value"
+    )
+
+
+def wrap(value: torch.Tensor, param: DTensor) -> DTensor:
+    """A parameter-shaped state tensor as a DTensor in the parameter's layout, sharing storage."""
+    if isinstance(value, DTensor):
+        return value
+    return DTensor.from_local(
+        value,
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+
+
+def placeholder(slot: Slot, param: DTensor) -> Any:
+    """The value a rank without state emits for ``slot``: zeros in the parameter's layout (empty
+    when its local shard is empty), or the owners' scalar value."""
+    if slot.kind == "t":
+        local = torch.zeros(
+            local_shape(param), dtype=dtype_from_name(slot.dtype), device=param._local_tensor.device
+        )
+        return wrap(local, param)
+    if slot.kind == "s":
+        return torch.tensor(slot.value, dtype=dtype_from_name(slot.dtype))
+    return slot.value

@@ -1,0 +1,241 @@
+"""``load_sharded_state_dict``: validate everything, agree on validity, only then mutate.
+
+By the time this runs after ``dcp.load`` into ``build_sharded_state_dict(..., is_loading=True)``,
+DCP has written the tensors into the live state in place (the DTensors share storage with it), so
+the tensor work left is a no-op; what remains is restoring hyperparameters (group-level ``step``
+included), scalar state (per-param ``step``) and re-binding FQN-keyed state. A state dict from
+elsewhere (``from_torch_state_dict`` of a separately loaded dict) is copied into the live state.
+
+A param that has ``param_to_group_meta`` but no ``state`` entry had no state when it was saved
+(never stepped): its live state is dropped, so the optimizer is exactly as the saved one was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from .._params import ParamRecord
+from ._layout import Slot, StateLayoutError, classify, local_shape
+from ._values import EXCLUDED_GROUP_KEYS, PlainValueError, restore_like, to_plain
+
+__all__ = ["StateDictMismatchError", "load_sharded_state_dict"]
+
+_TOP_KEYS = {"state", "param_to_group_meta"}
+
+
+class StateDictMismatchError(ValueError):
+    """The state dict does not fit the live optimizer; raised on every rank, nothing changed."""
+
+
+def _listing(what: str, names) -> list[str]:
+    names = sorted(names)
+    if not names:
+        return []
+    shown = ", ".join(repr(n) for n in names[:20])
+    more = f" and {len(names) - 20} more" if len(names) > 20 else ""
+    return [f"{what}: {shown}{more}"]
+
+
+def _check_tensor(fqn, key, value, live, param) -> list[str]:
+    where = f"state {fqn!r}[{key!r}]"
+    if not isinstance(value, DTensor):
+        return [f"{where}: expected a DTensor in the param's layout, got {type(value).__name__}"]
+    out = []
+    if value.shape != param.shape:
+        out.append(f"{where}: global shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+    if live is not None and value.dtype != live.dtype:
+        out.append(f"{where}: dtype {value.dtype}, expected {live.dtype}")
+    if value.device_mesh != param.device_mesh or tuple(value.placements) != tuple(
+        param.placements
+    ):
+        out.append(
+            f"{where}: layout {value.device_mesh} {tuple(value.placements)}, expected the "
+            f"param's {param.device_mesh} {tuple(param.placements)}"
+        )
+    elif value._local_tensor.shape != local_shape(param):
+        out.append(f"{where}: local shape {tuple(value._local_tensor.shape)}, expected "
+                   f"{tuple(local_shape(param))}")
+    return out
+
+
+def _check_scalar(fqn, key, value, slot: Slot | None) -> list[str]:
+    where = f"state {fqn!r}[{key!r}]"
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or isinstance(value, DTensor):
+            return [f"{where}: expected a scalar, got a tensor of shape {tuple(value.shape)}"]
+        if slot is not None and slot.kind == "s" and str(value.dtype) != f"torch.{slot.dtype}":
+            return [f"{where}: dtype {value.dtype}, expected torch.{slot.dtype}"]
+        return []
+    try:
+        to_plain(value, where)
+    except PlainValueError as exc:
+        return [str(exc)]
+    return []
+
+
+def _check_entry(rec: ParamRecord, entry: Any, live: dict | None) -> list[str]:
+    if not isinstance(entry, dict):
+        return [f"state {rec.fqn!r}: expected a dict of state values, got {type(entry).__name__}"]
+    out = []
+    if live:
+        out += _listing(f"state {rec.fqn!r}: missing state keys", set(live) - set(entry))
+        out += _listing(f"state {rec.fqn!r}: unexpected state keys", set(entry) - set(live))
+    for key, value in entry.items():
+        lv = (live or {}).get(key)
+        slot = None
+        if lv is not None:
+            try:
+                slot = classify(rec.fqn, key, lv, rec.param)
+            except StateLayoutError as exc:
+                out.append(str(exc))
+                continue
+        if (slot is not None and slot.kind == "t") or (slot is None and isinstance(value, DTensor)
+                                                      and value.dim() > 0):
+            out += _check_tensor(rec.fqn, key, value, lv, rec.param)
+        elif live and key not in live:
+            continue  # already listed as unexpected
+        else:
+            out += _check_scalar(rec.fqn, key, value, slot)
+    return out
+
+
+def _validate(optimizer, records: Sequence[ParamRecord], sd: Any) -> list[str]:
+    if not isinstance(sd, dict) or set(sd) != _TOP_KEYS:
+        got = sorted(sd) if isinstance(sd, dict) else type(sd).__name__
+        return [f"expected a dict with exactly the keys {sorted(_TOP_KEYS)}, got {got} (convert "
+                "the layout of get_optimizer_state_dict with from_torch_state_dict)"]
+    state, meta = sd["state"], sd["param_to_group_meta"]
+    if not isinstance(state, dict) or not isinstance(meta, dict):
+        return ["'state' and 'param_to_group_meta' must be dicts keyed by FQN"]
+    by_fqn = {r.fqn: r for r in records}
+    held = [r for r in records if r.opt_param is not None]
+    errors = _listing("unexpected FQNs in 'state'", set(state) - set(by_fqn))
+    errors += _listing("unexpected FQNs in 'param_to_group_meta'", set(meta) - set(by_fqn))
+    errors += _listing("missing FQNs in 'param_to_group_meta'",
+                       {r.fqn for r in held} - set(meta))
+    group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    seen_group_meta: dict[int, tuple[str, Any]] = {}
+    for rec in held:
+        gi = group_of.get(id(rec.opt_param))
+        if gi is None:
+            errors.append(f"{rec.fqn!r}: its opt_param is not a parameter of the base optimizer")
+            continue
+        if rec.fqn in meta:
+            hyper = meta[rec.fqn]
+            if not isinstance(hyper, dict):
+                errors.append(f"param_to_group_meta {rec.fqn!r}: expected a dict")
+                continue
+            names = set(optimizer.param_groups[gi]) - EXCLUDED_GROUP_KEYS
+            errors += _listing(f"param_to_group_meta {rec.fqn!r}: missing hyperparameters",
+                               names - set(hyper))
+            errors += _listing(f"param_to_group_meta {rec.fqn!r}: unexpected hyperparameters",
+                               set(hyper) - names)
+            try:
+                plain = to_plain(tuple(sorted(hyper.items())), f"param_to_group_meta {rec.fqn!r}")
+            except PlainValueError as exc:
+                errors.append(str(exc))
+                continue
+            if gi in seen_group_meta and seen_group_meta[gi][1] != plain:
+                errors.append(f"{seen_group_meta[gi][0]!r} and {rec.fqn!r} share param group {gi}"
+                              " but their hyperparameters in the state dict differ")
+            seen_group_meta.setdefault(gi, (rec.fqn, plain))
+        if rec.fqn in state:
+            errors += _check_entry(rec, state[rec.fqn], optimizer.state.get(rec.opt_param))
+    return errors
+
+
+def _agree(errors: list[str], group) -> list[str]:
+    """Every rank's errors, on every rank: the load's one collective."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return errors
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, errors, group=group)
+    by_message: dict[str, list[int]] = {}
+    for rank, errs in enumerate(gathered):
+        for e in errs:
+            by_message.setdefault(e, []).append(rank)
+    return [f"{e} (rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))})"
+            for e, r in by_message.items()]
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+            and a.data_ptr() == b.data_ptr() and a.device == b.device)
+
+
+def _apply(optimizer, records: Sequence[ParamRecord], sd: dict) -> None:
+    state, meta = sd["state"], sd["param_to_group_meta"]
+    group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    restored: set[int] = set()
+    for rec in records:
+        if rec.opt_param is None:
+            continue
+        gi = group_of[id(rec.opt_param)]
+        if gi not in restored and rec.fqn in meta:
+            group = optimizer.param_groups[gi]
+            for k, v in meta[rec.fqn].items():
+                group[k] = restore_like(group.get(k), v)
+            restored.add(gi)
+        if rec.fqn not in state:
+            optimizer.state.pop(rec.opt_param, None)  # saved without state: never stepped
+            continue
+        live = optimizer.state.get(rec.opt_param) or {}
+        entry = {}
+        for key, value in state[rec.fqn].items():
+            lv = live.get(key)
+            if isinstance(value, DTensor) and value.dim() > 0 or (
+                    isinstance(lv, torch.Tensor) and lv.dim() > 0):
+                src = value._local_tensor
+                if lv is None:
+                    entry[key] = value if isinstance(rec.opt_param, DTensor) else src
+                    continue
+                dst = lv._local_tensor if isinstance(lv, DTensor) else lv
+                if not _same_storage(src, dst):
+                    with torch.no_grad():
+                        dst.copy_(src)
+                entry[key] = lv
+            elif isinstance(lv, torch.Tensor):
+                if lv is not value:
+                    with torch.no_grad():
+                        lv.copy_(value) if isinstance(value, torch.Tensor) else lv.fill_(value)
+                entry[key] = lv
+            else:
+                entry[key] = value
+        optimizer.state[rec.opt_param] = entry
+
+
+def load_sharded_state_dict(
+    optimizer: torch.optim.Optimizer,
+    records: Sequence[ParamRecord],
+    state_dict: dict,
+    *,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Load a fsdp_dtensor state dict (see ``build_sharded_state_dict``) into ``optimizer``.
+
+    Checks, before touching anything: the top-level keys; FQNs in ``state`` or
+    ``param_to_group_meta`` that no record names (unexpected); held params without
+    ``param_to_group_meta`` (missing); hyperparameter names against the live param group; state
+    keys against the live state; DTensor global shape, mesh, placements and dtype against the param
+    and the live state; scalars. Every rank of ``group`` (default WORLD) then shares its findings
+    in ONE ``all_gather_object``; if any rank found anything, every rank raises
+    ``StateDictMismatchError`` (a ``ValueError``) listing all of it, and no optimizer changed.
+    """
+    try:
+        errors = _validate(optimizer, records, state_dict)
+    except Exception as exc:  # never leave the other ranks waiting in the collective
+        errors = [f"validation failed: {type(exc).__name__}: {exc}"]
+    errors = _agree(errors, group)
+    if errors:
+        shown = errors[:40]
+        more = f"\n  ... and {len(errors) - 40} more" if len(errors) > 40 else ""
+        raise StateDictMismatchError(
+            "optimizer state dict does not match the optimizer (nothing was loaded):\n  "
+            + "\n  ".join(shown) + more
+        )
+    _apply(optimizer, records, state_dict)

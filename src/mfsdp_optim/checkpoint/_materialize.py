@@ -1,0 +1,119 @@
+"""Materialise optimizer state for DCP to load into, without a real step.
+
+Stock torch (``_init_optim_state``) runs the live optimizer's ``step()`` with ``lr=0`` and zero
+grads; decoupled weight decay (AdamW), step counters and ``maximize`` still move things. Here the
+live optimizer never steps. A shallow scratch copy of it, with its own empty state and param groups
+whose params are zero clones (with zero grads) of the params that lack state, runs the class's own
+``step`` once; its state tensors are then handed to the live optimizer and its ``step`` entries
+reset to 0. The scratch clones cost one param-sized buffer per state-less param for the duration.
+Afterwards the live params' version counters and the hyperparameters are checked unchanged.
+
+Optimizers whose ``step`` needs a closure (LBFGS) or sparse grads (SparseAdam) cannot be stepped
+this way: pass ``init_state_fn`` to ``build_sharded_state_dict``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict, defaultdict
+
+import torch
+
+__all__ = ["materialize_optimizer_state"]
+
+
+def _snapshot(optimizer: torch.optim.Optimizer) -> list[dict]:
+    out = []
+    for g in optimizer.param_groups:
+        snap = {}
+        for k, v in g.items():
+            if k == "params":
+                continue
+            snap[k] = v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+        out.append(snap)
+    return out
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.shape == b.shape and bool(torch.equal(a.detach().cpu(), b.detach().cpu())))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b or (a != a and b != b)  # NaN hyperparameters compare equal to themselves
+
+
+def _zero_step(value):
+    if isinstance(value, torch.Tensor):
+        return value.zero_()
+    return type(value)(0)
+
+
+def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every param of ``optimizer`` that has no state the state its first step would create,
+    with ``step`` = 0, leaving params, param groups and existing state untouched."""
+    missing = [p for g in optimizer.param_groups for p in g["params"] if not optimizer.state.get(p)]
+    if not missing:
+        return
+    missing_ids = {id(p) for p in missing}
+    versions = [(p, p._version) for g in optimizer.param_groups for p in g["params"]]
+    before = _snapshot(optimizer)
+
+    scratch = copy.copy(optimizer)  # shares defaults and class; state and groups replaced below
+    scratch.state = defaultdict(dict)
+    scratch._optimizer_step_pre_hooks = OrderedDict()
+    scratch._optimizer_step_post_hooks = OrderedDict()
+    origin: dict[int, torch.Tensor] = {}
+    clones: list[torch.Tensor] = []
+    groups = []
+    with torch.no_grad():
+        for g in optimizer.param_groups:
+            params = []
+            for p in g["params"]:
+                if id(p) not in missing_ids:
+                    continue
+                c = torch.zeros_like(p.detach())
+                c.grad = torch.zeros_like(c)
+                origin[id(c)] = p
+                clones.append(c)
+                params.append(c)
+            if params:
+                groups.append({**g, "params": params})
+        scratch.param_groups = groups
+        try:
+            type(optimizer).step(scratch)  # the class's step: bypasses instance patches
+        except Exception as exc:
+            raise RuntimeError(
+                f"could not materialise the state of {type(optimizer).__name__} by stepping a "
+                f"scratch copy ({type(exc).__name__}: {exc}); pass init_state_fn= to create its "
+                "state instead"
+            ) from exc
+    for c in clones:
+        new = scratch.state.get(c)
+        if not new:
+            continue  # this optimizer keeps no state for it (SGD without momentum)
+        optimizer.state[origin[id(c)]] = {
+            k: (_zero_step(v) if k == "step" else v) for k, v in new.items()
+        }
+    # group-level step (apex / TE FusedAdam keep ``step`` in the group): materialise it as 0
+    touched = [gi for gi, g in enumerate(optimizer.param_groups)
+               if any(id(p) in missing_ids for p in g["params"])]
+    for gi, sg in zip(touched, groups, strict=True):
+        live = optimizer.param_groups[gi]
+        if "step" in sg and "step" not in live:
+            step = sg["step"]
+            live["step"] = step.detach().clone().zero_() if isinstance(step, torch.Tensor) else (
+                type(step)(0))
+            before[gi]["step"] = live["step"]
+
+    moved = [p for p, v in versions if p._version != v]
+    after = _snapshot(optimizer)
+    changed = [
+        (gi, k) for gi, (b, a) in enumerate(zip(before, after, strict=True))
+        for k in set(b) | set(a) if not _same(b.get(k), a.get(k))
+    ]
+    if moved or changed:
+        raise RuntimeError(
+            f"materialising optimizer state changed {len(moved)} params and hyperparameters "
+            f"{changed}; this is a bug in mfsdp_optim.checkpoint, please report it"
+        )

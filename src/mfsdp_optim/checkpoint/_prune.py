@@ -1,0 +1,47 @@
+"""Load targets for checkpoints that hold state for only some params."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = ["prune_to_checkpoint", "read_metadata"]
+
+
+def read_metadata(checkpoint: Any):
+    """DCP ``Metadata`` of ``checkpoint``: a directory path, a StorageReader or Metadata itself."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if isinstance(checkpoint, Metadata):
+        return checkpoint
+    if isinstance(checkpoint, (str, os.PathLike)):
+        path = os.fspath(checkpoint)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"{path}: no such checkpoint directory")
+        if not os.path.exists(os.path.join(path, ".metadata")):
+            raise FileNotFoundError(
+                f"{path}: no .metadata file, so this is not a finished DCP checkpoint (the save "
+                "did not complete, or the path names another directory)"
+            )
+        checkpoint = FileSystemReader(path)
+    return checkpoint.read_metadata()
+
+
+def prune_to_checkpoint(state_dict: dict, checkpoint: Any, *, prefix: str = "optimizer") -> dict:
+    """``state_dict`` without the ``state`` entries of params the checkpoint has no state for.
+
+    A checkpoint saved when some params had never stepped holds no ``state`` for them, and
+    ``dcp.load`` refuses a target with keys the checkpoint lacks ("Missing key in checkpoint").
+    Build the target with ``is_loading=True``, prune it, load it; ``load_sharded_state_dict`` then
+    drops the state of those params, as they were when saved. Only whole params are pruned: a
+    param whose checkpoint entry lacks some keys stays, so the load reports the mismatch.
+    Works on both layouts (``state`` keyed by FQN); tensors are shared, the input is not mutated.
+    ``prefix`` is the key the optimizer state dict was saved under.
+    """
+    md = read_metadata(checkpoint).state_dict_metadata
+    kept = {}
+    for fqn, entry in state_dict["state"].items():
+        if any(f"{prefix}.state.{fqn}.{key}" in md for key in entry):
+            kept[fqn] = entry
+    return {**state_dict, "state": kept}

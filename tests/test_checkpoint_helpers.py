@@ -1,0 +1,179 @@
+"""Rank-side helpers for the checkpoint tests (no tests here).
+
+A small model of five params is built by hand as DTensors in one of three layouts, trained a few
+steps with deterministic global grads, and compared against a plain, unsharded reference
+optimizer that every rank runs on the full tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from _layouts import GradSpec, PlacementSpec, build_grad, global_tensor
+
+from mfsdp_optim._params import ParamRecord
+
+S0, S1, R = PlacementSpec("S", 0), PlacementSpec("S", 1), PlacementSpec("R")
+SS0 = PlacementSpec("SS", 0, 2)
+
+# name, global shape; on 4-rank FSDP "tiny" is empty on ranks 2,3 and "layers.1.bias" on rank 3
+PARAMS = [
+    ("layers.0.weight", (10, 8)),
+    ("layers.0.bias", (10,)),
+    ("layers.1.weight", (8, 10)),
+    ("tiny", (2, 3)),
+    ("layers.1.bias", (3,)),
+]
+WEIGHTS = {"layers.0.weight", "layers.1.weight"}
+
+TP_FSDP = {  # (dp, tp) mesh: FSDP over TP as torchtitan lays it out
+    "layers.0.weight": (S0, S1),
+    "layers.0.bias": (S0, R),
+    "layers.1.weight": (SS0, S0),
+    "tiny": (S1, S0),
+    "layers.1.bias": (R, R),
+}
+
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.1,
+                              "weight_decay": 0.01}),
+    "adam": (torch.optim.Adam, {"lr": 0.01, "weight_decay": 0.1}),
+    "adam_tensor_lr": (torch.optim.Adam, {"lr": torch.tensor(0.01), "betas": (0.8, 0.9)}),
+    "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+    "adamw_amsgrad": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1, "amsgrad": True}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 0.1, "lr_decay": 0.01,
+                                      "initial_accumulator_value": 0.1}),
+    "rmsprop": (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.9, "centered": True}),
+    "adamax": (torch.optim.Adamax, {"lr": 0.01}),
+    "nadam": (torch.optim.NAdam, {"lr": 0.01}),
+    "radam": (torch.optim.RAdam, {"lr": 0.01}),
+}
+
+
+def world() -> int:
+    return dist.get_world_size()
+
+
+def mesh_shape(layout: str) -> tuple[int, ...]:
+    return (world(),) if layout == "fsdp" else (2, world() // 2)
+
+
+def spec(layout: str, index: int, seed: int) -> GradSpec:
+    name, shape = PARAMS[index]
+    if layout == "fsdp":
+        return GradSpec(shape, (world(),), (0,), (S0,), seed=seed)
+    if layout == "hsdp":
+        return GradSpec(shape, (2, world() // 2), (0, 1), (R, S0), seed=seed)
+    assert layout == "tp_fsdp", layout
+    return GradSpec(shape, (2, world() // 2), (0, 1), TP_FSDP[name], seed=seed)
+
+
+class Model:
+    """DTensor params, the base optimizer and the records the wrapper would pass."""
+
+    def __init__(self, layout, opt_name, *, alias=True, filter_empty=True, lr_scale=1.0):
+        self.layout = layout
+        self.alias = alias
+        self.params = [torch.nn.Parameter(build_grad(spec(layout, i, 1000 + i), check=False),
+                                          requires_grad=False) for i in range(len(PARAMS))]
+        self.records = []
+        for (name, _), p in zip(PARAMS, self.params, strict=True):
+            opt_param = p._local_tensor if alias else p
+            if filter_empty and p._local_tensor.numel() == 0:
+                opt_param = None
+            self.records.append(ParamRecord(name, p, opt_param))
+        cls, kw = OPTIMIZERS[opt_name]
+        kw = dict(kw)
+        kw["lr"] = kw["lr"] * lr_scale
+        self.optimizer = cls(self._groups(kw), **kw)
+
+    def _groups(self, kw):
+        g0 = [r.opt_param for r in self.records if r.fqn in WEIGHTS and r.opt_param is not None]
+        g1 = [r.opt_param for r in self.records if r.fqn not in WEIGHTS
+              and r.opt_param is not None]
+        lr1 = kw["lr"] * 0.5
+        return [{"params": g0}, {"params": g1, "lr": lr1}]
+
+    def step(self, t: int, skip=()):
+        for i, rec in enumerate(self.records):
+            if rec.opt_param is None:
+                continue
+            if rec.fqn in skip:
+                rec.opt_param.grad = None
+                continue
+            g = build_grad(spec(self.layout, i, 7 * t + i + 1), check=False)
+            rec.opt_param.grad = g._local_tensor if self.alias else g
+        self.optimizer.step()
+
+
+def reference(opt_name, steps, skip=()):
+    """The same training on full plain tensors in one process: {fqn: {key: tensor|float}}."""
+    full = {name: global_tensor(GradSpec(shape, (1,), (0,), (S0,), seed=1000 + i), ()).clone()
+            for i, (name, shape) in enumerate(PARAMS)}
+    cls, kw = OPTIMIZERS[opt_name]
+    kw = dict(kw)
+    groups = [{"params": [full[n] for n, _ in PARAMS if n in WEIGHTS]},
+              {"params": [full[n] for n, _ in PARAMS if n not in WEIGHTS], "lr": kw["lr"] * 0.5}]
+    opt = cls(groups, **kw)
+    for t in range(steps):
+        for i, (name, shape) in enumerate(PARAMS):
+            if name in skip:
+                full[name].grad = None
+                continue
+            full[name].grad = global_tensor(GradSpec(shape, (1,), (0,), (S0,), seed=7 * t + i + 1),
+                                            ())
+        opt.step()
+    return {n: {k: plain(v) for k, v in opt.state[full[n]].items()} for n, _ in PARAMS
+            if full[n] in opt.state}, {n: p.clone() for n, p in full.items()}
+
+
+def plain(v):
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(v, DTensor):
+        return v.full_tensor().clone()
+    if isinstance(v, torch.Tensor):
+        return v.clone() if v.dim() else float(v.item())
+    return v
+
+
+def global_state(sd):
+    """{fqn: {key: full tensor | float}} and the hyperparameters; collective on every rank."""
+    state = {fqn: {k: plain(sd["state"][fqn][k]) for k in sorted(sd["state"][fqn])}
+             for fqn in sorted(sd["state"])}
+    meta = {fqn: {k: plain(v) for k, v in m.items()} for fqn, m in sd["param_to_group_meta"].items()}
+    return state, meta
+
+
+def global_params(model):
+    return {r.fqn: r.param.full_tensor().clone() for r in model.records}
+
+
+def snapshot(model):
+    """A deep copy of the live optimizer's state and hyperparameters, to compare before/after."""
+    state = {}
+    for r in model.records:
+        if r.opt_param is not None and r.opt_param in model.optimizer.state:
+            state[r.fqn] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                            for k, v in model.optimizer.state[r.opt_param].items()}
+    groups = [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in g.items()
+               if k != "params"} for g in model.optimizer.param_groups]
+    return state, groups
+
+
+def same(a, b) -> bool:
+    """Exact equality of nested dicts/lists of tensors and plain values (bitwise for tensors)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        from torch.distributed.tensor import DTensor
+        if isinstance(a, DTensor):
+            a = a._local_tensor
+        if isinstance(b, DTensor):
+            b = b._local_tensor
+        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
