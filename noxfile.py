@@ -1,0 +1,50 @@
+"""Developer sessions: nox -s tests | lint | typecheck | demo | bench | docs."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["tests", "lint", "typecheck"]
+TORCH = "torch==2.13.0"  # the CPU build; the package itself accepts a range
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    session.install(TORCH)
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", "src", "tests", "benchmarks", "examples", "noxfile.py")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    session.install(TORCH, "mypy>=1.11")
+    session.install("-e", ".")
+    session.run("mypy", "src")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    session.install(TORCH)
+    session.install("-e", ".[demo]")
+    session.run("python", "examples/demo.py", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    session.install(TORCH)
+    session.install("-e", ".")
+    for script in ("bench_stats.py", "bench_step.py", "bench_checkpoint.py"):
+        session.run("python", f"benchmarks/{script}", *session.posargs)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    session.install(TORCH)
+    session.install("-e", ".[docs]")
+    session.run("mkdocs", "build", "--strict")
