@@ -142,7 +142,8 @@ def test_partial_state_loads(ranks, tmp_path):
 # ------------------------------------------------------------------------------------------
 # keyspace: identical on every rank, learned with one collective
 
-_COLLECTIVES = ["all_gather_object", "all_gather", "all_gather_into_tensor", "all_reduce",
+_COLLECTIVES = ["all_gather_object", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                "all_reduce",
                 "broadcast", "broadcast_object_list", "gather", "gather_object", "scatter",
                 "scatter_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor",
                 "all_to_all", "all_to_all_single", "barrier", "send", "recv", "isend", "irecv"]
@@ -201,11 +202,12 @@ def test_keyspace_identical_and_one_collective(ranks, alias):
     for rank, (keys, meta, build_calls, functional, load_calls, _, empty) in enumerate(out):
         assert keys == keys0, f"rank {rank} keyspace differs"
         assert meta == meta0, f"rank {rank} meta keyspace differs"
-        assert build_calls == {"all_gather_object": 1}, build_calls
-        # at the dispatcher: the one all_gather_object is two c10d all-gathers (sizes, payload);
+        # one object gather for the whole state dict: two flat all-gathers (sizes, payload);
         # no DTensor redistribution, no per-tensor traffic
-        assert functional == {"c10d.allgather_": 2}, functional
-        assert load_calls == {"all_gather_object": 1}, load_calls
+        flat_gathers = {"all_gather_single", "all_gather_into_tensor"}
+        assert sum(build_calls.values()) == 2 and set(build_calls) <= flat_gathers, build_calls
+        assert sum(functional.values()) == 2, functional
+        assert sum(load_calls.values()) == 2 and set(load_calls) <= flat_gathers, load_calls
         assert all(shape[0] == 0 for shape in empty.values()), empty
     assert keys0["tiny"]["step"][3] == float(STEPS)  # placeholders carry the owners' step
 

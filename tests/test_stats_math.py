@@ -109,10 +109,14 @@ def test_inf_norm_combines_by_max():
     assert combine_contributions(rows, 2.0).tolist() == [10.0, 3.0, 1.0]
 
 
-def test_empty_input_is_refused_by_the_core():
-    with pytest.raises(ValueError, match="non-empty"):
-        shard_contribution([torch.zeros(0)], norm_type=2.0, replication=1, canonical=True,
+def test_empty_tensors_add_nothing_and_no_tensors_is_refused():
+    with pytest.raises(ValueError, match="at least one tensor"):
+        shard_contribution([], norm_type=2.0, replication=1, canonical=True,
                            count_zeros=False)
+    for p in NORM_TYPES:  # empty tensors add nothing
+        row = shard_contribution([torch.zeros(0), torch.zeros(0, 3)], norm_type=p,
+                                 replication=1, canonical=True, count_zeros=True)
+        assert row.tolist() == [0.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, math.nan, -math.inf])

@@ -1,17 +1,486 @@
 """Optional fused kernels for the stats layer (CUDA + Triton).
 
 ``shard_contribution`` has the contract of :func:`mfsdp_optim._stats_math.shard_contribution`
-and returns None when no fused kernel applies (CPU tensors, Triton missing), in which case the
-caller falls back to the pure-torch multi-tensor path.
+and returns None when no fused kernel applies (CPU tensors, Triton missing, CUDA graph capture,
+``torch.compile`` tracing, an unsupported dtype), in which case the caller falls back to the
+pure-torch multi-tensor path.
+
+Design (one launch per bucket, no host synchronisation):
+
+* The host gathers each tensor's ``data_ptr`` and ``numel`` (two C calls per tensor, plus one
+  ``is_contiguous``) and builds, with numpy, one int64 table: each tensor's element offset from
+  the first tensor, its ``numel``, and the cumulative count of ``BLOCK``-element *items* (a tensor
+  of ``numel`` elements is ``ceil(numel / BLOCK)`` items). The table goes to the device through a
+  pinned buffer and a non-blocking copy; a small LRU (keyed on device, stream, tensor count and
+  first address, verified by comparing the whole table) reuses the device copy when the same grads
+  come back (FSDP2's caching allocator keeps grad addresses stable across steps).
+* One persistent Triton kernel runs ``G = SMs x programs-per-SM`` programs. Program ``i`` takes a
+  contiguous run of items, finds its first tensor with a binary search over the cumulative item
+  counts, then walks forward. Each item is one ``BLOCK``-wide load: unmasked (and 16-byte
+  vectorised when every tensor is 16-byte aligned) except the ragged last item of a tensor.
+  Per lane it accumulates ``|x|^p`` in float64 (``x*x`` for p=2, ``|x|`` for p=1, ``|x|*x*x``
+  for p=3, ``sqrt|x|`` for p=0.5, ``pow`` otherwise) or ``max|x|`` (float32, NaN-propagating)
+  for p=inf, and the zero count in int32 lanes, after folding ``FOLD`` neighbouring elements
+  held by one thread (fewer float64 accumulator registers, so more programs fit on an SM). When it leaves a tensor it reduces the lanes: a
+  non-finite segment sum (or maximum) means that tensor holds a NaN or an inf, and sets that
+  tensor's flag.
+* Every program writes its partial (float64 sum or max, int64 zeros) to a workspace; the last
+  program to finish (an acq_rel atomic ticket) reduces the partials in a fixed order (so the
+  result is deterministic), counts and clears the flags, resets the ticket and writes the
+  3-slot float64 contribution ``[sum / replication or max, zeros, flagged tensors]``.
+
+Everything here is private; the stats layer calls :func:`shard_contribution` once per bucket.
 """
 
 from __future__ import annotations
 
+import math
+import os
+from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["shard_contribution"]
+__all__ = ["shard_contribution", "fused_available"]
+
+# Elements per item (one masked or unmasked load per program iteration) and warps per program.
+_BLOCK = 2048
+_NUM_WARPS = 4
+# Upper bound on resident programs per SM used before the first compile tells the register count.
+_DEFAULT_PROGRAMS_PER_SM = 4
+_REDUCE_BLOCK = 1024
+# Neighbouring elements folded (in registers) before they reach the per-lane accumulators.
+_FOLD = 4
+
+# P_KIND codes (compile-time constants of the kernel).
+_P_INF, _P_ONE, _P_TWO, _P_THREE, _P_HALF, _P_GENERAL = 0, 1, 2, 3, 4, 5
+
+# Table cache: reuse the device copy of the table when the same tensors come back.
+TABLE_CACHE_ENABLED = True
+_TABLE_CACHE_SIZE = 16
+
+_state: dict[str, Any] = {"triton": None, "kernel": None, "failed": False}
+_table_cache: OrderedDict[tuple, tuple[Any, torch.Tensor]] = OrderedDict()
+_workspaces: dict[tuple[int, int], dict[str, Any]] = {}
+_programs_per_sm: dict[tuple, int] = {}
+
+
+def _env_disabled() -> bool:
+    return os.environ.get("MFSDP_OPTIM_DISABLE_FUSED", "") not in ("", "0")
+
+
+def _load_triton() -> Any | None:
+    """Import triton and build the kernel once; None (for good) if that fails."""
+    if _state["failed"]:
+        return None
+    if _state["kernel"] is not None:
+        return _state["kernel"]
+    try:
+        import numpy  # noqa: F401  (the host-side table; torch does not require numpy)
+        import triton  # noqa: F401
+
+        _state["kernel"] = _build_kernel()
+    except Exception:  # ImportError, or a Triton too old for the features used
+        _state["failed"] = True
+        return None
+    return _state["kernel"]
+
+
+def fused_available(device: torch.device | str | None = None) -> bool:
+    """Whether the fused kernel can run on ``device`` (default: the current CUDA device)."""
+    if _env_disabled() or not torch.cuda.is_available() or torch.version.cuda is None:
+        return False
+    if device is not None and torch.device(device).type != "cuda":
+        return False
+    return _load_triton() is not None
+
+
+def _build_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    try:
+        from triton.language.extra import libdevice
+    except ImportError:  # older layouts
+        from triton.language.extra.cuda import libdevice  # type: ignore[no-redef]
+
+    @triton.jit
+    def _max_nan(a, b):
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
+    def _power(x, p, P_KIND: tl.constexpr):
+        # |x|^p per element in float64 (float32 max|x| for p = inf)
+        if P_KIND == 0:
+            return tl.abs(x.to(tl.float32))
+        elif P_KIND == 1:
+            return tl.abs(x.to(tl.float32)).to(tl.float64)
+        elif P_KIND == 2:
+            xd = x.to(tl.float32).to(tl.float64)
+            return xd * xd
+        elif P_KIND == 3:
+            xd = tl.abs(x.to(tl.float32)).to(tl.float64)
+            return xd * xd * xd
+        elif P_KIND == 4:
+            return libdevice.sqrt_rn(tl.abs(x.to(tl.float32)).to(tl.float64))
+        else:
+            return libdevice.pow(tl.abs(x.to(tl.float32)).to(tl.float64), p)
+
+    @triton.jit
+    def _accumulate(acc, v, P_KIND: tl.constexpr, FOLD: tl.constexpr):
+        # Fold FOLD neighbouring elements (held by one thread) before adding to the lanes: fewer
+        # float64 accumulator registers, more loads in flight.
+        v2 = tl.reshape(v, [v.shape[0] // FOLD, FOLD])
+        if P_KIND == 0:
+            return tl.maximum(acc, tl.reduce(v2, 1, _max_nan), propagate_nan=tl.PropagateNan.ALL)
+        else:
+            return acc + tl.sum(v2, axis=1)
+
+    @triton.jit
+    def _flush(acc, total, t, flags_ptr, P_KIND: tl.constexpr):
+        # Reduce one tensor's lanes; flag the tensor if its sum (or max) is not finite.
+        if P_KIND == 0:
+            s = tl.reduce(acc, 0, _max_nan).to(tl.float64)
+            total = tl.maximum(total, s, propagate_nan=tl.PropagateNan.ALL)
+        else:
+            s = tl.sum(acc, axis=0)
+            total = total + s
+        if (s * 0.0) != 0.0:  # NaN or inf (x * 0 is 0 for every finite x)
+            tl.store(flags_ptr + t, 1)
+        return total
+
+    @triton.jit(
+        do_not_specialize=["n", "total_items", "items_per_prog", "num_progs", "replication"]
+    )
+    def _stats_kernel(
+        base_ptr,
+        table_ptr,
+        n,
+        total_items,
+        items_per_prog,
+        num_progs,
+        psum_ptr,
+        pzero_ptr,
+        flags_ptr,
+        ticket_ptr,
+        out_ptr,
+        replication,
+        BLOCK: tl.constexpr,
+        P_KIND: tl.constexpr,
+        COUNT_ZEROS: tl.constexpr,
+        ALIGN: tl.constexpr,
+        REDUCE_BLOCK: tl.constexpr,
+        FOLD: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        begin = pid.to(tl.int64) * items_per_prog
+        end = tl.minimum(begin + items_per_prog, total_items)
+        offs_tab = table_ptr
+        numel_tab = table_ptr + n
+        cum_tab = table_ptr + 2 * n
+        p = tl.load(table_ptr + 3 * n + 1).to(tl.float64, bitcast=True)
+
+        # first tensor: the largest t with cum[t] <= begin
+        lo = tl.full([], 0, tl.int32)
+        hi = n - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            ok = tl.load(cum_tab + mid) <= begin
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+        t = lo
+        seg_first = tl.load(cum_tab + t)
+        seg_end = tl.load(cum_tab + t + 1)
+        off = tl.load(offs_tab + t)
+        numel = tl.load(numel_tab + t)
+
+        lanes = tl.arange(0, BLOCK)
+        if P_KIND == 0:
+            acc = tl.zeros([BLOCK // FOLD], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK // FOLD], dtype=tl.float64)
+        zacc = tl.zeros([BLOCK // FOLD], dtype=tl.int32)
+        total = tl.full([], 0.0, tl.float64)
+
+        for it in range(begin, end):
+            if it >= seg_end:
+                total = _flush(acc, total, t, flags_ptr, P_KIND)
+                if P_KIND == 0:
+                    acc = tl.zeros([BLOCK // FOLD], dtype=tl.float32)
+                else:
+                    acc = tl.zeros([BLOCK // FOLD], dtype=tl.float64)
+                t = t + 1
+                seg_first = seg_end
+                seg_end = tl.load(cum_tab + t + 1)
+                off = tl.load(offs_tab + t)
+                numel = tl.load(numel_tab + t)
+            e0 = (it - seg_first) * BLOCK
+            start = off + e0
+            if ALIGN > 1:
+                start = tl.multiple_of(start, ALIGN)
+            ptrs = base_ptr + (start + lanes)
+            if e0 + BLOCK <= numel:
+                x = tl.load(ptrs)
+                acc = _accumulate(acc, _power(x, p, P_KIND), P_KIND, FOLD)
+                if COUNT_ZEROS:
+                    zacc = zacc + tl.sum(
+                        tl.reshape((x == 0).to(tl.int32), [BLOCK // FOLD, FOLD]), axis=1
+                    )
+            else:
+                m = (e0 + lanes) < numel
+                x = tl.load(ptrs, mask=m, other=0.0)
+                acc = _accumulate(acc, _power(x, p, P_KIND), P_KIND, FOLD)
+                if COUNT_ZEROS:
+                    zacc = zacc + tl.sum(
+                        tl.reshape(((x == 0) & m).to(tl.int32), [BLOCK // FOLD, FOLD]), axis=1
+                    )
+        if begin < end:
+            total = _flush(acc, total, t, flags_ptr, P_KIND)
+
+        tl.store(psum_ptr + pid, total)
+        if COUNT_ZEROS:
+            tl.store(pzero_ptr + pid, tl.sum(zacc.to(tl.int64), axis=0))
+        # Publish this program's partial, then take a ticket; the last one reduces.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+        if ticket == num_progs - 1:
+            r = tl.arange(0, REDUCE_BLOCK)
+            fsum = tl.full([], 0.0, tl.float64)
+            zsum = tl.full([], 0, tl.int64)
+            for s0 in range(0, num_progs, REDUCE_BLOCK):
+                mk = (s0 + r) < num_progs
+                ps = tl.load(psum_ptr + s0 + r, mask=mk, other=0.0, cache_modifier=".cg")
+                if P_KIND == 0:
+                    fsum = tl.maximum(
+                        fsum, tl.reduce(ps, 0, _max_nan), propagate_nan=tl.PropagateNan.ALL
+                    )
+                else:
+                    fsum = fsum + tl.sum(ps, axis=0)
+                if COUNT_ZEROS:
+                    pz = tl.load(pzero_ptr + s0 + r, mask=mk, other=0, cache_modifier=".cg")
+                    zsum = zsum + tl.sum(pz, axis=0)
+            nflag = tl.full([], 0, tl.int32)
+            for s0 in range(0, n, REDUCE_BLOCK):
+                mk = (s0 + r) < n
+                fl = tl.load(flags_ptr + s0 + r, mask=mk, other=0, cache_modifier=".cg")
+                nflag = nflag + tl.sum(fl, axis=0)
+                tl.store(flags_ptr + s0 + r, tl.zeros([REDUCE_BLOCK], dtype=tl.int32), mask=mk)
+            if P_KIND != 0:
+                fsum = fsum / replication.to(tl.float64)
+            tl.store(out_ptr, fsum)
+            tl.store(out_ptr + 1, zsum.to(tl.float64))
+            tl.store(out_ptr + 2, nflag.to(tl.float64))
+            tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
+
+    # The kernel finds its helpers by name in this module's globals (closures are not resolved
+    # by every Triton version, nor by its interpreter).
+    globals().update(
+        tl=tl,
+        libdevice=libdevice,
+        _max_nan=_max_nan,
+        _power=_power,
+        _accumulate=_accumulate,
+        _flush=_flush,
+    )
+    return _stats_kernel
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_sm_count: dict[int, int] = {}
+
+
+def _p_kind(norm_type: float) -> int:
+    if math.isinf(norm_type):
+        return _P_INF
+    return {1.0: _P_ONE, 2.0: _P_TWO, 3.0: _P_THREE, 0.5: _P_HALF}.get(norm_type, _P_GENERAL)
+
+
+def _workspace(device: torch.device, stream: int, n: int, num_progs: int) -> dict[str, Any]:
+    """Per (device, stream) buffers; the kernel leaves flags and ticket at zero when it ends, so
+    they are zeroed once, at allocation. Keyed by stream so that concurrent calls on different
+    streams never share them (a replaced buffer goes back to the same stream's pool)."""
+    key = (device.index, stream)
+    ws = _workspaces.get(key)
+    if ws is None or ws["n"] < n or ws["g"] < num_progs:
+        old_n = ws["n"] if ws is not None else 0
+        old_g = ws["g"] if ws is not None else 0
+        nn, gg = max(n, old_n, 1024), max(num_progs, old_g, 1024)
+        ws = {
+            "n": nn,
+            "g": gg,
+            "psum": torch.empty(gg, dtype=torch.float64, device=device),
+            "pzero": torch.empty(gg, dtype=torch.int64, device=device),
+            "flags": torch.zeros(nn, dtype=torch.int32, device=device),
+            "ticket": torch.zeros(1, dtype=torch.int32, device=device),
+        }
+        _workspaces[key] = ws
+    return ws
+
+
+def _programs(kernel_key: tuple, device: torch.device) -> int:
+    sms = _sm_count.get(device.index)  # type: ignore[arg-type]
+    if sms is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        _sm_count[device.index] = sms  # type: ignore[index]
+    return sms * _programs_per_sm.get(kernel_key, _DEFAULT_PROGRAMS_PER_SM)
+
+
+def _learn_occupancy(kernel_key: tuple, compiled: Any, device: torch.device) -> None:
+    """After the first launch of a variant, size its grid from its register count: as many
+    programs as fit on an SM at once, so the grid is one full wave."""
+    try:
+        props = torch.cuda.get_device_properties(device)
+        regs = int(compiled.n_regs)
+        warps = int(compiled.metadata.num_warps)
+        max_threads = int(getattr(props, "max_threads_per_multi_processor", 2048))
+        max_regs = int(getattr(props, "regs_per_multiprocessor", 65536))
+        by_threads = max_threads // (warps * 32)
+        regs_per_warp = -(-regs * 32 // 256) * 256  # allocated per warp in units of 256
+        by_regs = (max_regs // max(1, regs_per_warp)) // warps
+        _programs_per_sm[kernel_key] = max(1, min(by_threads, by_regs, 32))
+    except Exception:
+        _programs_per_sm[kernel_key] = _DEFAULT_PROGRAMS_PER_SM
+
+
+def _device_table(table: Any, device: torch.device, stream: int, key: tuple) -> torch.Tensor:
+    """The table on the device: a pinned staging copy and a non-blocking upload, or the device
+    copy of an identical table from an earlier call (same tensors at the same addresses)."""
+    import numpy as np
+
+    if TABLE_CACHE_ENABLED:
+        hit = _table_cache.get(key)
+        if hit is not None and np.array_equal(hit[0], table):
+            _table_cache.move_to_end(key)
+            return hit[1]
+    host = torch.empty(table.shape[0], dtype=torch.int64, pin_memory=True)
+    host.numpy()[:] = table
+    dev_table = host.to(device, non_blocking=True)
+    if TABLE_CACHE_ENABLED:
+        _table_cache[key] = (table, dev_table)
+        _table_cache.move_to_end(key)
+        while len(_table_cache) > _TABLE_CACHE_SIZE:
+            _table_cache.popitem(last=False)
+    return dev_table
+
+
+class _Plan:
+    """Everything one launch needs, built on the host from the tensors' addresses and sizes."""
+
+    __slots__ = (
+        "base", "table", "n", "total_items", "per_prog", "num_progs", "ws", "replication",
+        "p_kind", "zeros", "align", "kernel_key", "device",
+    )  # fmt: skip
+    base: torch.Tensor
+    table: torch.Tensor
+    n: int
+    total_items: int
+    per_prog: int
+    num_progs: int
+    ws: dict[str, Any]
+    replication: int
+    p_kind: int
+    zeros: bool
+    align: int
+    kernel_key: tuple
+    device: torch.device
+
+
+def _plan(
+    tensors: Sequence[torch.Tensor],
+    norm_type: float,
+    replication: int,
+    canonical: bool,
+    count_zeros: bool,
+) -> _Plan | None:
+    """Build a launch plan for contiguous tensors of one device and dtype; None if the fused
+    kernel cannot take them (then the caller uses the reference path)."""
+    import numpy as np
+
+    T = torch.Tensor
+    ptrs = np.array(list(map(T.data_ptr, tensors)), dtype=np.int64)
+    numels = np.array(list(map(T.numel, tensors)), dtype=np.int64)
+    first = tensors[0]
+    if not numels.all():
+        keep = np.flatnonzero(numels)
+        if keep.size == 0:
+            return None
+        ptrs, numels = ptrs[keep], numels[keep]
+        first = tensors[int(keep[0])]
+    n = int(ptrs.shape[0])
+    esize = first.element_size()
+    delta = ptrs - ptrs[0]
+    if (delta % esize).any():
+        return None
+    align = 16 // esize if not (ptrs & 15).any() else 1
+
+    items = (numels + (_BLOCK - 1)) // _BLOCK
+    table = np.empty(3 * n + 2, dtype=np.int64)
+    table[:n] = delta // esize
+    table[n : 2 * n] = numels
+    table[2 * n] = 0
+    np.cumsum(items, out=table[2 * n + 1 : 3 * n + 1])
+    p = float(norm_type)
+    table[3 * n + 1] = np.array([p if math.isfinite(p) else 0.0]).view(np.int64)[0]
+    total_items = int(table[3 * n])
+
+    device = first.device
+    plan = _Plan()
+    plan.device = device
+    plan.p_kind = _p_kind(p)
+    plan.zeros = bool(count_zeros and canonical)
+    plan.align = align
+    plan.kernel_key = (
+        device.index,
+        first.dtype,
+        plan.p_kind,
+        plan.zeros,
+        align,
+        _BLOCK,
+        _NUM_WARPS,
+        _FOLD,
+    )
+    num_progs = min(total_items, _programs(plan.kernel_key, device))
+    plan.per_prog = -(-total_items // num_progs)
+    plan.num_progs = -(-total_items // plan.per_prog)
+    plan.base = first
+    plan.n = n
+    plan.total_items = total_items
+    plan.replication = int(replication)
+    stream = torch.cuda.current_stream(device).cuda_stream
+    plan.table = _device_table(table, device, stream, (device.index, stream, n, int(ptrs[0])))
+    plan.ws = _workspace(device, stream, n, plan.num_progs)
+    return plan
+
+
+def _launch(kernel: Any, plan: _Plan) -> torch.Tensor:
+    """One kernel launch on the current stream; returns the float64 contribution."""
+    ws = plan.ws
+    out = torch.empty(3, dtype=torch.float64, device=plan.device)
+    compiled = kernel[(plan.num_progs,)](
+        plan.base,
+        plan.table,
+        plan.n,
+        plan.total_items,
+        plan.per_prog,
+        plan.num_progs,
+        ws["psum"],
+        ws["pzero"],
+        ws["flags"],
+        ws["ticket"],
+        out,
+        plan.replication,
+        BLOCK=_BLOCK,
+        P_KIND=plan.p_kind,
+        COUNT_ZEROS=plan.zeros,
+        ALIGN=plan.align,
+        REDUCE_BLOCK=_REDUCE_BLOCK,
+        FOLD=_FOLD,
+        num_warps=_NUM_WARPS,
+    )
+    if plan.kernel_key not in _programs_per_sm:
+        _learn_occupancy(plan.kernel_key, compiled, plan.device)
+    return out
 
 
 def shard_contribution(
@@ -22,4 +491,64 @@ def shard_contribution(
     canonical: bool,
     count_zeros: bool,
 ) -> torch.Tensor | None:
-    return None
+    """The contribution of ``tensors`` (one device and dtype: the caller's bucket) from one fused
+    kernel, or None when the fused path does not apply. Same contract and result as
+    :func:`mfsdp_optim._stats_math.shard_contribution` up to float64 rounding order, except that
+    the result is deterministic and never needs more than one launch."""
+    if not tensors:
+        return None
+    first = tensors[0]
+    if first.device.type != "cuda" or first.dtype not in _DTYPES or _env_disabled():
+        return None
+    if torch.version.cuda is None:  # ROCm builds: not tuned or tested here
+        return None
+    kernel = _load_triton()
+    if kernel is None:
+        return None
+    if torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():
+        return None
+    tensors = list(tensors)
+    if not all(map(torch.Tensor.is_contiguous, tensors)):
+        return _mixed_contribution(tensors, norm_type, replication, canonical, count_zeros)
+    device = first.device
+    with torch.cuda.device(device):
+        plan = _plan(tensors, norm_type, replication, canonical, count_zeros)
+        if plan is None:
+            return None
+        return _launch(kernel, plan)
+
+
+def _mixed_contribution(
+    tensors: list[torch.Tensor],
+    norm_type: float,
+    replication: int,
+    canonical: bool,
+    count_zeros: bool,
+) -> torch.Tensor | None:
+    """Fused over the contiguous tensors, the reference path over the strided ones."""
+    from ._stats_math import combine_contributions
+    from ._stats_math import shard_contribution as reference
+
+    dense = [t for t in tensors if t.is_contiguous() and t.numel() > 0]
+    strided = [t for t in tensors if not t.is_contiguous() and t.numel() > 0]
+    rows = [
+        reference(
+            strided,
+            norm_type=norm_type,
+            replication=replication,
+            canonical=canonical,
+            count_zeros=count_zeros,
+        )
+    ]
+    if dense:
+        fused = shard_contribution(
+            dense,
+            norm_type=norm_type,
+            replication=replication,
+            canonical=canonical,
+            count_zeros=count_zeros,
+        )
+        if fused is None:
+            return None
+        rows.append(fused)
+    return combine_contributions(torch.stack(rows), norm_type)

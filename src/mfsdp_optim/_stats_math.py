@@ -65,15 +65,18 @@ def shard_contribution(
 ) -> torch.Tensor:
     """Contribution of local shards that share a device, a dtype and a layout.
 
-    ``tensors`` are plain local tensors; every one of them is held identically by ``replication``
+    ``tensors`` are plain local tensors (empty ones add nothing); every one of them is held identically by ``replication``
     ranks, and ``canonical`` says whether this rank is the one that counts their zeros. Runs as a
     few multi-tensor kernels (``torch._foreach_norm``) whatever the number of tensors, and never
     synchronises with the host. The result is a float64 vector on the tensors' device.
     """
-    tensors = [t for t in tensors if t.numel() > 0]
     if not tensors:
-        raise ValueError("shard_contribution needs at least one non-empty tensor")
+        raise ValueError("shard_contribution needs at least one tensor (its device)")
     device = tensors[0].device
+    if math.isinf(norm_type):  # the max of an empty tensor has no identity
+        tensors = [t for t in tensors if t.numel() > 0]
+        if not tensors:
+            return empty_contribution(device)
     norms = torch.stack(torch._foreach_norm(tensors, norm_type, dtype=_ACC))
     if math.isinf(norm_type):
         norm_slot = norms.max()

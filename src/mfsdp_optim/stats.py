@@ -33,7 +33,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from . import _fused
-from ._placement import layout_info, mesh_ranks_outside_group, require_dtensor
+from ._comm import _all_gather_flat, collective_device
+from ._placement import LayoutInfo, layout_info, mesh_ranks_outside_group, require_dtensor
 from ._stats_math import (
     NONFINITE_SLOT,
     NORM_SLOT,
@@ -113,7 +114,7 @@ def grad_stats(
     """
     p = check_norm_type(norm_type)
     _require_member(group)
-    device = _collective_device(group)
+    device = collective_device(group)
     try:
         local = _local_contribution(_bucket_local_shards(grads, group), p, count_zeros, device)
         local = torch.nn.functional.pad(local, (0, 1))  # the failed-ranks slot: 0
@@ -197,28 +198,46 @@ _BucketKey = tuple[torch.device, torch.dtype, int, bool]
 def _bucket_local_shards(
     grads: Iterable[DTensor], group: dist.ProcessGroup | None
 ) -> dict[_BucketKey, list[torch.Tensor]]:
-    """Validate ``grads`` and group their non-empty local shards by (device, dtype, layout)."""
+    """Validate ``grads`` and group their non-empty local shards by (device, dtype, layout).
+
+    This loop runs once per gradient every step, so it does the least it can: layouts are
+    validated once per DTensorSpec object (FSDP2 gives every grad of a param the param's spec, so
+    after the first step every lookup hits) and the local tensor is read directly.
+    """
     buckets: dict[_BucketKey, list[torch.Tensor]] = defaultdict(list)
-    checked_meshes: set[int] = set()
+    group_id = id(group)
+    cache = _LAYOUT_BY_SPEC
     for i, grad in enumerate(grads):
-        what = f"grads[{i}]"
-        dt = require_dtensor(grad, what)
-        mesh = dt.device_mesh
-        if id(mesh) not in checked_meshes:
-            outside = mesh_ranks_outside_group(mesh, group)
-            if outside:
-                raise ValueError(
-                    f"{what} lives on mesh {mesh} whose ranks {outside} are not in the grad-stats "
-                    "group, so their shards would be missed. Use a group that spans every rank "
-                    "holding grads (default: WORLD)."
-                )
-            checked_meshes.add(id(mesh))
-        local = dt._local_tensor
-        if local.numel() == 0:
-            continue
-        info = layout_info(dt)
+        spec = getattr(grad, "_spec", None)
+        hit = cache.get((id(spec), group_id))
+        if hit is None or hit[0] is not spec:
+            hit = (spec, _checked_layout(grad, f"grads[{i}]", group))
+            if len(cache) >= _LAYOUT_CACHE_SIZE:
+                cache.clear()
+            cache[(id(spec), group_id)] = hit
+        local = grad._local_tensor  # empty shards add nothing; both paths skip them
+        info = hit[1]
         buckets[(local.device, local.dtype, info.replication, info.canonical)].append(local)
     return buckets
+
+
+# (id(DTensorSpec), id(group)) -> (the spec, kept alive so its id stays unique; its layout)
+_LAYOUT_BY_SPEC: dict[tuple[int, int], tuple[object, LayoutInfo]] = {}
+_LAYOUT_CACHE_SIZE = 1 << 14
+
+
+def _checked_layout(grad: object, what: str, group: dist.ProcessGroup | None) -> LayoutInfo:
+    """Validate one grad's type, placements and mesh against ``group``; return its layout."""
+    dt = require_dtensor(grad, what)
+    mesh = dt.device_mesh
+    outside = mesh_ranks_outside_group(mesh, group)
+    if outside:
+        raise ValueError(
+            f"{what} lives on mesh {mesh} whose ranks {outside} are not in the grad-stats "
+            "group, so their shards would be missed. Use a group that spans every rank "
+            "holding grads (default: WORLD)."
+        )
+    return layout_info(dt)
 
 
 def _require_member(group: dist.ProcessGroup | None) -> None:
@@ -235,25 +254,30 @@ def _local_contribution(
     count_zeros: bool,
     device: torch.device,
 ) -> torch.Tensor:
-    rows = [empty_contribution(device)]
-    for (_, _, replication, canonical), tensors in buckets.items():
-        row = _fused.shard_contribution(
-            tensors,
-            norm_type=norm_type,
-            replication=replication,
-            canonical=canonical,
-            count_zeros=count_zeros,
-        )
-        if row is None:
-            row = shard_contribution(
-                tensors,
-                norm_type=norm_type,
-                replication=replication,
-                canonical=canonical,
-                count_zeros=count_zeros,
-            )
-        rows.append(row.to(device, non_blocking=True))
+    rows = [
+        _bucket_contribution(tensors, norm_type, replication, canonical, count_zeros)
+        for (_, _, replication, canonical), tensors in buckets.items()
+    ]
+    if len(rows) == 1:  # the common case, every grad in one layout: nothing to combine
+        return rows[0].to(device, non_blocking=True)
+    rows = [row.to(device, non_blocking=True) for row in rows]
+    rows.append(empty_contribution(device))
     return combine_contributions(torch.stack(rows), norm_type)
+
+
+def _bucket_contribution(
+    tensors: list[torch.Tensor],
+    norm_type: float,
+    replication: int,
+    canonical: bool,
+    count_zeros: bool,
+) -> torch.Tensor:
+    """One bucket's contribution: the fused kernel where it applies, else multi-tensor torch."""
+    kwargs = dict(
+        norm_type=norm_type, replication=replication, canonical=canonical, count_zeros=count_zeros
+    )
+    row = _fused.shard_contribution(tensors, **kwargs)
+    return row if row is not None else shard_contribution(tensors, **kwargs)
 
 
 def _all_combine(
@@ -264,18 +288,5 @@ def _all_combine(
         dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
         return local
     gathered = local.new_empty(dist.get_world_size(group) * local.numel())
-    # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns)
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    all_gather(gathered, local, group=group)
+    _all_gather_flat(gathered, local, group)
     return combine_contributions(gathered.view(-1, local.numel()), norm_type)
-
-
-def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
-    """The device the group's collectives run on: the accelerator for NCCL-like backends, else
-    the CPU. Chosen from the group alone, so every rank picks the same backend."""
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    if "xccl" in backend and hasattr(torch, "xpu") and torch.xpu.is_available():
-        return torch.device("xpu", torch.xpu.current_device())
-    return torch.device("cpu")

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from .._params import ParamRecord
 from ._layout import Slot, StateLayoutError, classify
 from ._values import PlainValueError, group_meta
+from .._comm import all_gather_objects
 
 __all__ = ["Keyspace", "LocalState", "describe", "gather", "merge"]
 
@@ -118,9 +119,7 @@ def gather(description: dict, group: dist.ProcessGroup | None) -> list[dict]:
     """Every rank's description: the keyspace's one collective (none without a process group)."""
     if not (dist.is_available() and dist.is_initialized()):
         return [description]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, description, group=group)
-    return out
+    return all_gather_objects(description, group)
 
 
 def merge(descriptions: list[dict]) -> tuple[Keyspace, list[str]]:

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from .._params import ParamRecord
 from ._layout import Slot, StateLayoutError, classify, local_shape
 from ._values import EXCLUDED_GROUP_KEYS, PlainValueError, restore_like, to_plain
+from .._comm import all_gather_objects
 
 __all__ = ["StateDictMismatchError", "load_sharded_state_dict"]
 
@@ -153,8 +154,7 @@ def _agree(errors: list[str], group) -> list[str]:
     """Every rank's errors, on every rank: the load's one collective."""
     if not (dist.is_available() and dist.is_initialized()):
         return errors
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, errors, group=group)
+    gathered = all_gather_objects(errors, group)
     by_message: dict[str, list[int]] = {}
     for rank, errs in enumerate(gathered):
         for e in errs:

@@ -1,0 +1,53 @@
+"""Collective plumbing shared by the layers: the group's device and a numpy-free object gather."""
+
+from __future__ import annotations
+
+import ctypes
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["collective_device", "all_gather_objects"]
+
+
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The device the group's collectives run on: the accelerator for NCCL-like backends, else
+    the CPU. Chosen from the group alone, so every rank picks the same backend."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if "xccl" in backend and hasattr(torch, "xpu") and torch.xpu.is_available():
+        return torch.device("xpu", torch.xpu.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's picklable ``obj``, in group-rank order: ``dist.all_gather_object`` without
+    its dependency on numpy (which torch does not require). Two all-gathers: sizes, then the
+    padded payloads. Only for data the ranks of one job produced themselves: it unpickles."""
+    device = collective_device(group)
+    world = dist.get_world_size(group)
+    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    sizes = torch.empty(world, dtype=torch.int64, device=device)
+    _all_gather_flat(sizes, size, group)
+    sizes_host = sizes.tolist()
+    width = max(sizes_host)
+    mine = torch.zeros(width, dtype=torch.uint8)
+    if payload:
+        mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    gathered = torch.empty(world * width, dtype=torch.uint8, device=device)
+    _all_gather_flat(gathered, mine.to(device), group)
+    host = gathered.cpu()
+    base = host.data_ptr()
+    return [
+        pickle.loads(ctypes.string_at(base + r * width, n)) for r, n in enumerate(sizes_host)
+    ]
+
+
+def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None):
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, inp, group=group)
