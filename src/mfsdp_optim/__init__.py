@@ -1,6 +1,8 @@
 """mfsdp_optim: make any torch.optim optimizer a correct and fast citizen of FSDP2 training."""
 
 from ._version import __version__
+from .grad_scaler import ConstantGradScaler, DynamicGradScaler, GradScaler
+from .optimizer import FullyShardedOptimizer, OptimizerConfig
 from .stats import (
     GradStats,
     clip_grads_with_norm_,
@@ -12,6 +14,11 @@ from .stats import (
 
 __all__ = [
     "__version__",
+    "ConstantGradScaler",
+    "DynamicGradScaler",
+    "FullyShardedOptimizer",
+    "GradScaler",
+    "OptimizerConfig",
     "GradStats",
     "clip_grads_with_norm_",
     "count_replication",

@@ -1,0 +1,140 @@
+"""Per-step cost of FullyShardedOptimizer vs the bare base optimizer and stock torch on DTensors.
+
+One rank (a world-size-1 gloo or NCCL group on a FileStore), fp32, AdamW fused and foreach, two
+shape sets: 3000 x (512 x 256) and 300 x (4096 x 1024). For each it times
+
+  (a) bare:    the base optimizer's step on plain local tensors (the target),
+  (b) stock:   the same torch optimizer stepping the DTensor params (what FSDP2 users get),
+  (c) wrapper: FullyShardedOptimizer.step() on the DTensor params: grad_stats (one collective),
+               clip (clip_grad=1.0), alias bind/unbind and the base step,
+
+and the floor: 28 bytes/param (AdamW reads p, g, m, v and writes p, m, v in fp32) over the
+measured device copy bandwidth. GPU timings use CUDA events after warmup; CPU timings use
+perf_counter.
+
+    python benchmarks/bench_step.py                       # auto device, full sizes
+    python benchmarks/bench_step.py --device cpu --scale 0.01 --iters 5
+    python benchmarks/bench_step.py --count-scale 0.1     # fewer params per set
+
+``--scale`` shrinks each param's rows (keeps the param count, so host overhead stays visible);
+``--count-scale`` shrinks the number of params.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+SHAPE_SETS = {"3000x512x256": (3000, (512, 256)), "300x4096x1024": (300, (4096, 1024))}
+
+
+def _timer(device: torch.device, fn, warmup: int, iters: int) -> float:
+    """Median milliseconds per call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes/s of a device-to-device copy (read + write counted)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    ms = _timer(device, lambda: dst.copy_(src), 3, 10)
+    return 2 * src.numel() * 4 / (ms / 1e3)
+
+
+def _make(count, shape, device, mesh, seed):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    locals_ = [torch.randn(shape, device=device, generator=gen) for _ in range(count)]
+    grads = [torch.randn(shape, device=device, generator=gen) * 1e-3 for _ in range(count)]
+    params = []
+    for t, g in zip(locals_, grads):
+        p = torch.nn.Parameter(DTensor.from_local(t.clone(), mesh, [Shard(0)], run_check=False))
+        p.grad = DTensor.from_local(g.clone(), mesh, [Shard(0)], run_check=False)
+        params.append(p)
+    for t, g in zip(locals_, grads):
+        t.grad = g
+    return locals_, params
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--scale", type=float, default=1.0, help="row multiplier per param")
+    ap.add_argument("--count-scale", type=float, default=1.0, help="param count multiplier")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--sets", default=",".join(SHAPE_SETS))
+    ap.add_argument("--modes", default="fused,foreach")
+    args = ap.parse_args()
+
+    from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("dp_shard",))
+    bw = _copy_bandwidth(device, 256 * 2**20 if device.type == "cuda" else 64 * 2**20)
+    print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}),"
+          f" torch {torch.__version__}, copy bandwidth {bw / 1e9:.1f} GB/s")
+    header = (f"{'set':<22}{'mode':<9}{'bare(a) ms':>11}{'stock(b) ms':>12}{'wrap(c) ms':>11}"
+              f"{'floor ms':>10}{'b/a':>7}{'c/a':>7}{'c-a ms':>8}{'a/floor':>9}{'c/floor':>9}")
+    print(header)
+    for set_name in args.sets.split(","):
+        count, (rows, cols) = SHAPE_SETS[set_name]
+        count = max(1, round(count * args.count_scale))
+        rows = max(1, round(rows * args.scale))
+        numel = count * rows * cols
+        floor_ms = 28 * numel / bw * 1e3
+        label = f"{count}x{rows}x{cols}"
+        for mode in args.modes.split(","):
+            kw = {"lr": 1e-3, "weight_decay": 0.01, mode: True}
+            locals_, params = _make(count, (rows, cols), device, mesh, 0)
+            bare = torch.optim.AdamW(locals_, **kw)
+            t_a = _timer(device, bare.step, args.warmup, args.iters)
+            del bare, locals_
+            _, dparams = _make(count, (rows, cols), device, mesh, 1)
+            stock = torch.optim.AdamW(dparams, **kw)
+            try:
+                t_b = _timer(device, stock.step, args.warmup, args.iters)
+            except NotImplementedError:
+                t_b = float("nan")
+            del stock, dparams
+            wrapper = FullyShardedOptimizer(torch.optim.AdamW(params, **kw),
+                                            OptimizerConfig(clip_grad=1.0))
+            t_c = _timer(device, wrapper.step, args.warmup, args.iters)
+            del wrapper, params
+            print(f"{label:<22}{mode:<9}{t_a:>11.2f}{t_b:>12.2f}{t_c:>11.2f}{floor_ms:>10.2f}"
+                  f"{t_b / t_a:>7.2f}{t_c / t_a:>7.2f}{t_c - t_a:>8.2f}{t_a / floor_ms:>9.2f}"
+                  f"{t_c / floor_ms:>9.2f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
