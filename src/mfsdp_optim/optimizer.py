@@ -86,7 +86,7 @@ from ._params import ParamRecord
 from ._placement import mesh_ranks_outside_group
 from ._stats_math import check_norm_type
 from .grad_scaler import GradScaler
-from .stats import GradStats, clip_grads_with_norm_, grad_stats
+from .stats import BucketKey, GradStats, clip_grads_with_norm_, grad_stats, layout_of, reduce_buckets
 
 __all__ = ["FullyShardedOptimizer", "OptimizerConfig"]
 
@@ -243,6 +243,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         self._stage = _READY
         self._stats: GradStats | None = None
         self._work_locals: dict[tuple, list[torch.Tensor]] = {}
+        self._any_cast = False  # whether prepare made dtype-cast copies to restore
         self.last_update_successful: bool | None = None
 
         fqns = _fqn_map(self.model_chunks)
@@ -411,38 +412,60 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
                 "unscaled); call step_with_ready_grads() or zero_grad() before preparing again."
             )
         cast = not self._precision_aware
-        work: list[DTensor] = []
-        unscale: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-        by_key: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-        self._work_locals = by_key
-        for s in self._slots:
-            g = s.param.grad
-            s.saved_grad = None
-            if g is None:
-                s.work_grad = None
-                continue
-            if cast and g.dtype != s.param.dtype:
-                local = g._local_tensor.to(s.param.dtype)
-                s.saved_grad = g
-                g = DTensor.from_local(
-                    local, g.device_mesh, g.placements, run_check=False,
-                    shape=g.shape, stride=g.stride(),
-                )
-            s.work_grad = g
-            work.append(g)
-            local = g._local_tensor
-            unscale[local.device].append(local)
-            by_key[(local.device, local.dtype)].append(local)
         scaler = self.grad_scaler
-        if scaler is not None and scaler.get_scale() != 1.0:
-            for device, tensors in unscale.items():
-                # computes in fp32 for any grad dtype; its own found_inf is unused (the stats
-                # collective below decides, for every rank of the group together)
-                scratch = torch.zeros(1, dtype=torch.float32, device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(
-                    tensors, scratch, scaler.inv_scale_on(device)
+        unscale = scaler is not None and scaler.get_scale() != 1.0
+        group = self.config.grad_stats_group
+        self._any_cast = False
+
+        def bucket_work_grads() -> dict[BucketKey, list[torch.Tensor]]:
+            # the one per-param loop of prepare: cast, validate (cached per layout), bucket
+            buckets: dict[BucketKey, list[torch.Tensor]] = defaultdict(list)
+            for i, s in enumerate(self._slots):
+                g = s.param.grad
+                s.saved_grad = None
+                s.work_grad = g
+                if g is None:
+                    continue
+                info = layout_of(g, i, group)
+                local = g._local_tensor
+                if cast and local.dtype != s.param.dtype:
+                    s.saved_grad = g
+                    local = local.to(s.param.dtype)
+                    g = DTensor.from_local(
+                        local, g.device_mesh, g.placements, run_check=False,
+                        shape=g.shape, stride=g.stride(),
+                    )
+                    s.work_grad = g
+                    self._any_cast = True
+                buckets[(local.device, local.dtype, info.replication, info.canonical)].append(
+                    local
                 )
-        stats = self._stats_of(work, self.config.log_num_zeros_in_grad)
+            if unscale:
+                assert scaler is not None
+                by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+                for (device, *_), tensors in buckets.items():
+                    by_device[device].extend(tensors)
+                for device, tensors in by_device.items():
+                    # computes in fp32 for any grad dtype; its own found_inf is unused (the
+                    # stats collective decides, for every rank of the group together)
+                    scratch = torch.zeros(1, dtype=torch.float32, device=device)
+                    torch._amp_foreach_non_finite_check_and_unscale_(
+                        tensors, scratch, scaler.inv_scale_on(device)
+                    )
+            self._work_locals = buckets
+            return buckets
+
+        self._work_locals = {}
+        if self._in_stats_group:
+            stats = reduce_buckets(
+                bucket_work_grads,
+                norm_type=self.config.norm_type,
+                count_zeros=self.config.log_num_zeros_in_grad,
+                group=group,
+            )
+        else:  # a paramless rank outside the group: nothing to add, nobody to wait for
+            bucket_work_grads()
+            stats = self._stats_of([], self.config.log_num_zeros_in_grad)
         self._stats = stats
         self._stage = _PREPARED
         return stats
@@ -453,8 +476,10 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         ``min(1, max_norm / (total_norm + 1e-6))``, kept on device, one multi-tensor multiply
         per group, without re-validating every grad (about 5 us per grad on a CPU host)."""
         coef = (max_norm / (total_norm.to(torch.float32) + _CLIP_EPS)).clamp(max=1.0)
-        for (device, dtype), tensors in self._work_locals.items():
-            torch._foreach_mul_(tensors, coef.to(device=device, dtype=dtype, non_blocking=True))
+        for (device, *_), tensors in self._work_locals.items():
+            # the float32 coefficient multiplies in float32 math (a tiny one cast to fp16 first
+            # would lose its precision)
+            torch._foreach_mul_(tensors, coef.to(device=device, non_blocking=True))
 
     def _bind_and_step(self) -> None:
         """Bind the work grads to the aliases, run the base step, unbind, restore dtypes."""
@@ -491,6 +516,11 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
 
     def _restore_grads(self) -> None:
         """Copy cast grads back into the original grads and drop the copies."""
+        if not self._any_cast:
+            for s in self._slots:
+                s.work_grad = None
+            self._work_locals = {}
+            return
         dst: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         src: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         for s in self._slots:

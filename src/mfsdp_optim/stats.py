@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import torch
@@ -112,11 +112,33 @@ def grad_stats(
 
     Returns :class:`GradStats` with tensors on the group's collective device.
     """
+    return reduce_buckets(
+        lambda: _bucket_local_shards(grads, group),
+        norm_type=norm_type,
+        count_zeros=count_zeros,
+        group=group,
+    )
+
+
+def reduce_buckets(
+    bucketer: Callable[[], dict[BucketKey, list[torch.Tensor]]],
+    *,
+    norm_type: float,
+    count_zeros: bool,
+    group: dist.ProcessGroup | None,
+) -> GradStats:
+    """The body of :func:`grad_stats` for callers that bucket local shards themselves.
+
+    ``bucketer()`` returns local shards grouped by ``(device, dtype, replication, canonical)``
+    (see :func:`layout_of`); it is called inside the bad-input protocol, so a TypeError or
+    ValueError it raises still lets this rank join the collective before re-raising. The
+    wrapper uses this to bucket grads in the loop over params it runs anyway.
+    """
     p = check_norm_type(norm_type)
     _require_member(group)
     device = collective_device(group)
     try:
-        local = _local_contribution(_bucket_local_shards(grads, group), p, count_zeros, device)
+        local = _local_contribution(bucketer(), p, count_zeros, device)
         local = torch.nn.functional.pad(local, (0, 1))  # the failed-ranks slot: 0
         failure: Exception | None = None
     except (TypeError, ValueError) as exc:
@@ -192,33 +214,37 @@ def clip_grads_with_norm_(
 # internals
 
 
-_BucketKey = tuple[torch.device, torch.dtype, int, bool]
+BucketKey = tuple[torch.device, torch.dtype, int, bool]
 
 
 def _bucket_local_shards(
     grads: Iterable[DTensor], group: dist.ProcessGroup | None
-) -> dict[_BucketKey, list[torch.Tensor]]:
-    """Validate ``grads`` and group their non-empty local shards by (device, dtype, layout).
-
-    This loop runs once per gradient every step, so it does the least it can: layouts are
-    validated once per DTensorSpec object (FSDP2 gives every grad of a param the param's spec, so
-    after the first step every lookup hits) and the local tensor is read directly.
-    """
-    buckets: dict[_BucketKey, list[torch.Tensor]] = defaultdict(list)
-    group_id = id(group)
-    cache = _LAYOUT_BY_SPEC
+) -> dict[BucketKey, list[torch.Tensor]]:
+    """Validate ``grads`` and group their local shards by (device, dtype, layout)."""
+    buckets: dict[BucketKey, list[torch.Tensor]] = defaultdict(list)
     for i, grad in enumerate(grads):
-        spec = getattr(grad, "_spec", None)
-        hit = cache.get((id(spec), group_id))
-        if hit is None or hit[0] is not spec:
-            hit = (spec, _checked_layout(grad, f"grads[{i}]", group))
-            if len(cache) >= _LAYOUT_CACHE_SIZE:
-                cache.clear()
-            cache[(id(spec), group_id)] = hit
+        info = layout_of(grad, i, group)
         local = grad._local_tensor  # empty shards add nothing; both paths skip them
-        info = hit[1]
         buckets[(local.device, local.dtype, info.replication, info.canonical)].append(local)
     return buckets
+
+
+def layout_of(grad: DTensor, index: int, group: dist.ProcessGroup | None) -> LayoutInfo:
+    """Replication and canonical flag of ``grad`` (``grads[index]`` in messages), validated.
+
+    This runs once per gradient every step, so it does the least it can: layouts are validated
+    once per DTensorSpec object (FSDP2 gives every grad of a param the param's spec, so after the
+    first step every lookup hits).
+    """
+    spec = getattr(grad, "_spec", None)
+    key = (id(spec), id(group))
+    hit = _LAYOUT_BY_SPEC.get(key)
+    if hit is None or hit[0] is not spec:
+        hit = (spec, _checked_layout(grad, f"grads[{index}]", group))
+        if len(_LAYOUT_BY_SPEC) >= _LAYOUT_CACHE_SIZE:
+            _LAYOUT_BY_SPEC.clear()
+        _LAYOUT_BY_SPEC[key] = hit
+    return hit[1]
 
 
 # (id(DTensorSpec), id(group)) -> (the spec, kept alive so its id stays unique; its layout)
@@ -249,7 +275,7 @@ def _require_member(group: dist.ProcessGroup | None) -> None:
 
 
 def _local_contribution(
-    buckets: dict[_BucketKey, list[torch.Tensor]],
+    buckets: dict[BucketKey, list[torch.Tensor]],
     norm_type: float,
     count_zeros: bool,
     device: torch.device,
