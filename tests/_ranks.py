@@ -19,6 +19,7 @@ import faulthandler
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import sys
 import tempfile
@@ -65,7 +66,10 @@ def _worker_main(rank, world_size, init_file, tasks, results, sys_path, stack_fi
         fn, args, kwargs = task
         try:
             value = fn(*args, **kwargs)
-            results.put((rank, "ok", value))
+            # pickle here, where a failure can still be reported (the queue's feeder thread
+            # would only print it, and the test would wait for a result that never comes)
+            payload = pickle.dumps(value)
+            results.put((rank, "ok", payload))
         except BaseException:  # report everything, including assertion errors
             results.put((rank, "error", traceback.format_exc()))
     dist.destroy_process_group()
@@ -124,6 +128,8 @@ class RankPool:
             if status == "error":
                 errors[rank] = value
                 deadline = min(deadline, time.monotonic() + _ERROR_GRACE_S)
+            elif status == "ok":
+                values[rank] = pickle.loads(value)
             else:
                 values[rank] = value
         if not errors and len(values) == self.world_size:
