@@ -481,8 +481,27 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
             # would lose its precision)
             torch._foreach_mul_(tensors, coef.to(device=device, non_blocking=True))
 
+    def _check_hyperparameters(self) -> None:
+        """Refuse a non-finite lr or weight_decay (a scheduler bug) before it reaches the params.
+
+        Python numbers and CPU tensors are checked; an accelerator tensor lr (capturable or
+        fused optimizers) is left alone, since reading it would synchronise with the device.
+        """
+        for i, group in enumerate(self.optimizer.param_groups):
+            for key in ("lr", "weight_decay"):
+                value = group.get(key)
+                if value is None or (torch.is_tensor(value) and value.device.type != "cpu"):
+                    continue
+                if not math.isfinite(float(value)):
+                    raise ValueError(
+                        f"param_groups[{i}][{key!r}] is {float(value)}: stepping would turn every "
+                        "param of the group into NaN. Fix the value (or the lr scheduler that set "
+                        "it); nothing was updated."
+                    )
+
     def _bind_and_step(self) -> None:
         """Bind the work grads to the aliases, run the base step, unbind, restore dtypes."""
+        self._check_hyperparameters()
         decoupled = self._decoupled_grad
         bound: list[torch.Tensor] = []
         for s in self._slots:

@@ -1,7 +1,11 @@
 """``python -m mfsdp_optim.checkpoint inspect DIR``: what a DCP optimizer checkpoint holds.
 
 Reads the checkpoint's ``.metadata`` (FQNs, state keys, global shapes, dtypes) and only the small
-pickled hyperparameter entries; no tensor data is read. Understands both layouts:
+pickled hyperparameter entries; no tensor data is read. Nothing is unpickled beyond an allow-list:
+``.metadata`` through ``safe_read_metadata`` and the hyperparameter entries with
+``torch.load(weights_only=True)`` (see ``_safe.py``), so inspecting an untrusted checkpoint runs
+none of its code. An incomplete checkpoint (a save that never finished) is reported as such, with
+exit status 3. Understands both layouts:
 fsdp_dtensor (``<prefix>.state.<fqn>.<key>`` + ``<prefix>.param_to_group_meta.<fqn>.<name>``) and
 torch's ``get_optimizer_state_dict`` (``<prefix>.state...`` + ``<prefix>.param_groups``).
 """
@@ -14,7 +18,8 @@ import sys
 import warnings
 from typing import Any
 
-from ._prune import read_metadata
+from ._safe import SafeFileSystemReader, SafeLoadPlanner, raise_unsafe, safe_read_metadata
+from ._save import checkpoint_status
 
 __all__ = ["inspect_checkpoint", "main"]
 
@@ -29,14 +34,18 @@ def _read_bytes(directory: str, keys: list[str]) -> dict[str, Any]:
     if not keys:
         return {}
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
 
     # top-level keys that already are DCP's flat keys: the default planner maps each to itself
     # and writes the unpickled value back into this dict
     target: dict[str, Any] = dict.fromkeys(keys)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
-        dcp.load(target, storage_reader=FileSystemReader(directory), no_dist=True)
+        try:
+            dcp.load(target, storage_reader=SafeFileSystemReader(directory),
+                     planner=SafeLoadPlanner(), no_dist=True)
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            raise_unsafe(exc)
+            raise
     return target
 
 
@@ -45,7 +54,10 @@ def inspect_checkpoint(directory: str, *, read_hyperparameters: bool = True) -> 
     "hyperparameters": {...}}}}}`` for every optimizer state dict found in the checkpoint."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    md = read_metadata(directory)
+    status, message = checkpoint_status(directory)
+    if status in ("missing", "incomplete"):
+        raise FileNotFoundError(message)
+    md = safe_read_metadata(directory)
     out: dict[str, dict] = {}
     byte_keys: dict[str, tuple] = {}
     for key, item in md.state_dict_metadata.items():
@@ -125,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     ins.add_argument("--no-values", action="store_true",
                      help="list hyperparameter names only (read nothing but .metadata)")
     args = parser.parse_args(argv)
+    status, message = checkpoint_status(args.directory)
+    if status == "incomplete":
+        print(f"error: {message}", file=sys.stderr)
+        return 3
     try:
         found = inspect_checkpoint(args.directory, read_hyperparameters=not args.no_values)
     except FileNotFoundError as exc:
@@ -137,5 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(found, indent=2, default=repr))
     else:
+        if status == "complete":
+            print(message)
         print(_render(args.directory, found))
     return 0

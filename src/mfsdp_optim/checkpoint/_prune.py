@@ -10,8 +10,9 @@ __all__ = ["prune_to_checkpoint", "read_metadata"]
 
 def read_metadata(checkpoint: Any):
     """DCP ``Metadata`` of ``checkpoint``: a directory path, a StorageReader or Metadata itself."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import Metadata
+
+    from ._safe import safe_read_metadata
 
     if isinstance(checkpoint, Metadata):
         return checkpoint
@@ -24,7 +25,8 @@ def read_metadata(checkpoint: Any):
                 f"{path}: no .metadata file, so this is not a finished DCP checkpoint (the save "
                 "did not complete, or the path names another directory)"
             )
-        checkpoint = FileSystemReader(path)
+        # a path is read through the allow-list reader: no code of the checkpoint's runs here
+        return safe_read_metadata(path)
     return checkpoint.read_metadata()
 
 

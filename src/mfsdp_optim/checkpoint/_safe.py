@@ -1,0 +1,147 @@
+"""Reading DCP checkpoints without running code from them.
+
+What torch's own ``FileSystemReader`` / ``DefaultLoadPlanner`` unpickle (torch 2.6 - 2.13):
+
+* ``.metadata``: ``pickle.load`` of the whole file, **unrestricted**. A crafted ``.metadata`` runs
+  arbitrary code the moment any rank calls ``dcp.load`` (or ``FileSystemReader.read_metadata``).
+* non-tensor items (``BytesStorageMetadata``: hyperparameters, ``step`` numbers, strings):
+  ``DefaultLoadPlanner.load_bytes`` calls ``torch.load(..., weights_only=False)``, **unrestricted**.
+* tensor items: ``torch.load(..., weights_only=True)``, restricted by torch.
+
+This module closes the first two for this package's own reads and for users who opt in:
+
+* :func:`safe_read_metadata` unpickles ``.metadata`` with an allow-list: the dataclasses of
+  ``torch.distributed.checkpoint.metadata``, ``filesystem._StorageInfo``, ``torch.Size``, torch
+  dtypes and layouts, ``pathlib`` paths, ``collections.OrderedDict``. Anything else
+  (``os.system``, ``builtins.eval``, a class of some other package) raises
+  :class:`UnsafeCheckpointError` before it is called.
+* :class:`SafeFileSystemReader` is a ``FileSystemReader`` whose ``read_metadata`` is the above.
+* :class:`SafeLoadPlanner` is a ``DefaultLoadPlanner`` whose ``load_bytes`` uses
+  ``torch.load(weights_only=True)``: plain numbers, strings, tuples, lists, dicts and tensors load;
+  arbitrary objects are refused.
+
+Pass both to ``dcp.load(state, storage_reader=SafeFileSystemReader(path),
+planner=SafeLoadPlanner())``; :func:`mfsdp_optim.checkpoint.load_checkpoint` does.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+__all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "UnsafeCheckpointError",
+           "raise_unsafe", "safe_read_metadata"]
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_ALLOWED: dict[str, set[str] | None] = {
+    # module -> allowed names (None: every class the module itself defines)
+    _DCP_METADATA: None,
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+}
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint file asked the unpickler for something outside the allow-list."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file, where: str):
+        super().__init__(file)
+        self._where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype,
+                                                                          torch.layout)):
+            return getattr(torch, name)
+        allowed = _ALLOWED.get(module, set())
+        if allowed is None:
+            import importlib
+
+            obj = getattr(importlib.import_module(module), name, None)
+            if isinstance(obj, type) and obj.__module__ == module:
+                return obj
+        elif name in allowed:
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(
+            f"{self._where}: refused to unpickle {module}.{name}: a DCP .metadata file holds "
+            "only torch.distributed.checkpoint metadata classes, torch.Size, dtypes and paths. "
+            "This file was not written by torch.distributed.checkpoint (or was tampered with); "
+            "do not load it with torch's own reader either, which would run it."
+        )
+
+
+def safe_read_metadata(path: str | os.PathLike) -> Any:
+    """The ``Metadata`` of the DCP checkpoint directory ``path``, unpickled with the allow-list.
+
+    Raises FileNotFoundError when there is no ``.metadata``, :class:`UnsafeCheckpointError` when it
+    references anything outside the allow-list, and ``pickle.UnpicklingError`` / ``EOFError`` /
+    ``ValueError`` when it is not a pickle (truncated, another format).
+    """
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    file = os.path.join(os.fspath(path), ".metadata")
+    with open(file, "rb") as f:
+        md = _MetadataUnpickler(f, file).load()
+    if not isinstance(md, Metadata):
+        raise UnsafeCheckpointError(f"{file}: holds a {type(md).__name__}, not DCP Metadata")
+    return md
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose ``.metadata`` is unpickled with an allow-list (tensor data is
+    read as torch does, ``weights_only=True``)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        rank = kwargs.get("rank")
+        if rank is not None:  # per-rank metadata of a no-collectives save
+            raise NotImplementedError("per-rank .metadata files are not supported here")
+        md = safe_read_metadata(self.path)
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that loads non-tensor items with ``torch.load(weights_only=True)``."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            detail = str(exc).strip().splitlines()
+            why = next((ln for ln in detail if "GLOBAL" in ln or "global" in ln), detail[-1:])
+            raise UnsafeCheckpointError(
+                f"refused to unpickle the non-tensor checkpoint item "
+                f"{read_item.dest_index.fqn!r} with weights_only=True: {why}. It holds an "
+                "object other than plain numbers, strings, containers or tensors; torch's default "
+                "planner would have run it."
+            ) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def raise_unsafe(exc: BaseException) -> None:
+    """Re-raise the :class:`UnsafeCheckpointError` that DCP wrapped in a CheckpointException (on
+    any rank), so callers see the refusal rather than DCP's wrapper; otherwise return."""
+    failures = getattr(exc, "failures", None) or {}
+    for rank, failure in sorted(failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) and failure else failure
+        if isinstance(inner, UnsafeCheckpointError):
+            raise UnsafeCheckpointError(f"{inner} (rank {rank})") from None

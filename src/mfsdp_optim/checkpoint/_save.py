@@ -1,0 +1,649 @@
+"""``save_checkpoint`` / ``load_checkpoint``: publish a checkpoint only when every rank finished,
+and refuse incomplete, damaged or foreign ones before a single byte reaches the live state.
+
+On disk (``directory`` = ``ckpt/step_000100``)::
+
+    ckpt/step_000100.incomplete/      while saving: DCP's files land here (staging)
+        __0_0.distcp  __1_0.distcp  .metadata   (written by torch.distributed.checkpoint)
+        mfsdp_checksums.json          per-item CRC32 of every byte range DCP wrote (optional)
+        mfsdp_complete.json           the completion marker, written LAST, by rank 0, only after
+                                      every rank reported its writes done
+    ckpt/step_000100/                 the same directory, renamed once the marker is on disk
+
+A rank killed mid-save leaves ``step_000100.incomplete`` without a marker; ``step_000100`` never
+appears, so the previous checkpoint stays the newest complete one. The marker records the size of
+every file and the SHA-256 of ``.metadata``, so a truncated or missing shard and a ``.metadata``
+from another run are caught from the marker alone, before anything is unpickled; the checksums
+catch bit flips. ``load_checkpoint`` runs all of these checks (the checksum reads split over the
+ranks) and agrees on the verdict with ONE collective before calling ``dcp.load``: DCP copies into
+the live optimizer state in place (``sharded_state_dict(is_loading=True)`` shares storage with
+it), so a load that failed half-way would leave it half-overwritten.
+
+Collectives of ``save_checkpoint``: one ``all_gather_object`` (keyspace agreement across ranks,
+staging prepared), ``dcp.save``'s own, one ``all_gather_object`` (every rank's writes and
+checksums) and one ``broadcast_object_list`` (the publish verdict).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
+
+from ._load import StateDictMismatchError
+from ._safe import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    UnsafeCheckpointError,
+    raise_unsafe,
+    safe_read_metadata,
+)
+
+__all__ = [
+    "CHECKSUMS_FILE",
+    "COMPLETE_MARKER",
+    "STAGING_SUFFIX",
+    "CorruptCheckpointError",
+    "IncompleteCheckpointError",
+    "RankDisagreementError",
+    "check_checkpoint",
+    "checkpoint_status",
+    "load_checkpoint",
+    "save_checkpoint",
+]
+
+STAGING_SUFFIX = ".incomplete"
+COMPLETE_MARKER = "mfsdp_complete.json"
+CHECKSUMS_FILE = "mfsdp_checksums.json"
+FORMAT = "mfsdp_optim.checkpoint/1"
+_CHUNK = 1 << 22
+
+
+class IncompleteCheckpointError(RuntimeError):
+    """The checkpoint's save never finished (a rank died, or it is still being written)."""
+
+
+class CorruptCheckpointError(ValueError):
+    """The checkpoint is complete but its files are damaged, missing or from another save."""
+
+
+class RankDisagreementError(ValueError):
+    """Ranks called a checkpoint collective with different state dicts; raised on every rank."""
+
+
+# ---------------------------------------------------------------------------------------------
+# process-group helpers (everything also works without a process group, in one process)
+
+
+def _dist(group) -> tuple[int, int, bool]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group), True
+    return 0, 1, False
+
+
+def _gather(obj: Any, group) -> list[Any]:
+    _, world, on = _dist(group)
+    if not on:
+        return [obj]
+    out: list[Any] = [None] * world
+    try:
+        dist.all_gather_object(out, obj, group=group)
+    except RuntimeError as exc:
+        raise _collective_failed(exc) from exc
+    return out
+
+
+def _collective_failed(exc: BaseException) -> RuntimeError:
+    return RuntimeError(
+        "a checkpoint collective failed or timed out: some rank of the process group did not "
+        "reach save_checkpoint/load_checkpoint (it died, was killed, or is running other code); "
+        f"nothing was published or loaded. Cause: {type(exc).__name__}: {exc}")
+
+
+def _broadcast(obj: Any, group) -> Any:
+    _, _, on = _dist(group)
+    if not on:
+        return obj
+    box = [obj]
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    try:
+        dist.broadcast_object_list(box, src=src, group=group)
+    except RuntimeError as exc:
+        raise _collective_failed(exc) from exc
+    return box[0]
+
+
+def _raise_agreed(errors: list[tuple[str, str] | None], what: str) -> None:
+    """Raise on every rank the first error any rank reported (all ranks hold the same list)."""
+    found = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if not found:
+        return
+    kinds = {"IncompleteCheckpointError": IncompleteCheckpointError,
+             "CorruptCheckpointError": CorruptCheckpointError,
+             "RankDisagreementError": RankDisagreementError,
+             "StateDictMismatchError": StateDictMismatchError,
+             "UnsafeCheckpointError": UnsafeCheckpointError,
+             "FileExistsError": FileExistsError, "FileNotFoundError": FileNotFoundError}
+    kind = kinds.get(found[0][1][0], RuntimeError)
+    lines: dict[str, list[int]] = {}
+    for r, (_, msg) in found:
+        lines.setdefault(msg, []).append(r)
+    body = "\n  ".join(f"{m} (rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))})"
+                       for m, rs in list(lines.items())[:20])
+    raise kind(f"{what}:\n  {body}")
+
+
+def _as_error(exc: BaseException) -> tuple[str, str]:
+    return type(exc).__name__, str(exc)
+
+
+# ---------------------------------------------------------------------------------------------
+# rank agreement: what each rank is about to save / load into
+
+
+def _flat(state_dict: Mapping) -> dict[str, Any]:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(dict(state_dict))
+    return flat
+
+
+def _signature(value: Any, values: bool, meshes: dict[int, tuple]) -> tuple:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        m = value.device_mesh
+        ranks = meshes.get(id(m))
+        if ranks is None:
+            ranks = meshes[id(m)] = tuple(torch.as_tensor(m.mesh).flatten().tolist())
+        return ("dtensor", tuple(value.shape), str(value.dtype), ranks,
+                tuple(str(p) for p in value.placements))
+    if isinstance(value, torch.Tensor):
+        shown = (value.detach().cpu().flatten().tolist() if values and value.numel() <= 16
+                 else None)
+        return ("tensor", tuple(value.shape), str(value.dtype), shown)
+    text = repr(value) if values else ""
+    return ("object", type(value).__name__, text if len(text) <= 200 else text[:200] + "...")
+
+
+def _signatures(state_dict: Mapping, values: bool) -> dict[str, tuple]:
+    meshes: dict[int, tuple] = {}
+    return {k: _signature(v, values, meshes) for k, v in _flat(state_dict).items()}
+
+
+def _check_agreement(sigs: list[dict[str, tuple]], ranks: list[int]) -> list[str]:
+    """Every DTensor key emitted by exactly the ranks of its mesh, with one signature; plain
+    tensors and objects equal wherever they appear (DCP keeps only one copy of those)."""
+    errors: list[str] = []
+    seen: dict[str, tuple[int, tuple]] = {}
+    emitters: dict[str, set[int]] = {}
+    for rank, sig in zip(ranks, sigs, strict=True):
+        for key, s in sig.items():
+            emitters.setdefault(key, set()).add(rank)
+            if key not in seen:
+                seen[key] = (rank, s)
+            elif seen[key][1] != s:
+                r0, s0 = seen[key]
+                errors.append(f"{key!r}: rank {r0} has {_describe(s0)}, rank {rank} has "
+                              f"{_describe(s)}")
+    members = set(ranks)
+    for key, (_, s) in seen.items():
+        if s[0] == "dtensor":
+            want = set(s[3]) & members
+            got = emitters[key]
+            if got != want:
+                missing, extra = sorted(want - got), sorted(got - want)
+                errors.append(
+                    f"{key!r}: a DTensor on mesh ranks {sorted(s[3])}, but "
+                    + (f"ranks {missing} do not have it" if missing else "")
+                    + (" and " if missing and extra else "")
+                    + (f"ranks {extra} outside its mesh have it" if extra else "")
+                    + " (a rank with a different model or optimizer state?)"
+                )
+    return errors
+
+
+def _describe(sig: tuple) -> str:
+    if sig[0] == "dtensor":
+        return f"a DTensor {list(sig[1])} {sig[2]} on mesh ranks {list(sig[3])} {list(sig[4])}"
+    if sig[0] == "tensor":
+        return f"a tensor {list(sig[1])} {sig[2]}" + (f" = {sig[3]}" if sig[3] is not None else "")
+    return f"a {sig[1]} {sig[2]}"
+
+
+def _group_ranks(group, world: int) -> list[int]:
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return list(range(world))
+    return list(dist.get_process_group_ranks(group))
+
+
+# ---------------------------------------------------------------------------------------------
+# files
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: str, obj: Any) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(_CHUNK), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _crc_range(f, start: int, length: int) -> int:
+    f.seek(start)
+    crc, left = 0, length
+    while left > 0:
+        block = f.read(min(_CHUNK, left))
+        if not block:
+            return -1  # short file: cannot match any recorded CRC
+        crc = zlib.crc32(block, crc)
+        left -= len(block)
+    return crc
+
+
+def _item_record(index, info) -> dict:
+    return {"key": index.fqn,
+            "chunk": None if index.offset is None else list(index.offset),
+            "file": info.relative_path, "start": int(info.offset), "length": int(info.length)}
+
+
+def _checksum_items(directory: str, items: list[dict]) -> list[dict]:
+    by_file: dict[str, list[dict]] = {}
+    for it in items:
+        by_file.setdefault(it["file"], []).append(it)
+    out = []
+    for name, its in by_file.items():
+        with open(os.path.join(directory, name), "rb") as f:
+            for it in sorted(its, key=lambda i: i["start"]):
+                out.append({**it, "crc32": _crc_range(f, it["start"], it["length"])})
+    return out
+
+
+def _capturing(writer_cls: type) -> type:
+    """``writer_cls`` that remembers this rank's WriteResults (file, offset, length per item)."""
+
+    class _Capturing(writer_cls):  # type: ignore[misc, valid-type]
+        def write_data(self, plan, planner):
+            fut = super().write_data(plan, planner)
+            self.mfsdp_results = list(fut.wait())
+            return fut
+
+    _Capturing.__name__ = f"Capturing{writer_cls.__name__}"
+    return _Capturing
+
+
+# ---------------------------------------------------------------------------------------------
+# save
+
+
+def save_checkpoint(
+    state_dict: Mapping[str, Any],
+    directory: str | os.PathLike,
+    *,
+    checksums: bool = True,
+    overwrite: bool = False,
+    process_group: dist.ProcessGroup | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    writer_cls: type = FileSystemWriter,
+    thread_count: int = 1,
+) -> str:
+    """Save ``state_dict`` with ``torch.distributed.checkpoint`` and publish it atomically.
+
+    Every rank of ``process_group`` (default WORLD) calls it with its own state dict (for example
+    ``{"optimizer": opt.sharded_state_dict(), "grad_scaler": opt.grad_scaler_state_dict()}``).
+    First the ranks check, with one collective, that they agree on what they save: every DTensor
+    key on exactly the ranks of its mesh with one global shape, dtype and layout, and plain
+    tensors / objects equal wherever they appear (DCP keeps one copy of those); otherwise
+    :class:`RankDisagreementError` on every rank and nothing is written. DCP then writes into
+    ``<directory>.incomplete``; once every rank reports its writes done, rank 0 writes the
+    CRC32 of every item (``checksums=True``), the completion marker (file sizes, SHA-256 of
+    ``.metadata``, ``metadata``: any JSON-able dict of yours) and renames the directory to
+    ``directory``. Returns ``directory`` on every rank.
+
+    An existing ``directory`` raises FileExistsError on every rank unless ``overwrite=True`` (the
+    old one is then replaced after the new one is complete). A stale ``<directory>.incomplete``
+    from a crashed save is deleted first. ``writer_cls`` (a ``FileSystemWriter`` subclass) and
+    ``thread_count`` go to DCP.
+    """
+    rank, world, _ = _dist(process_group)
+    final = os.path.abspath(os.fspath(directory))
+    staging = final + STAGING_SUFFIX
+    prep: tuple[str, str] | None = None
+    if rank == 0:
+        try:
+            if os.path.exists(final) and not overwrite:
+                raise FileExistsError(f"{final} already exists; pass overwrite=True to replace it")
+            if os.path.exists(staging):
+                shutil.rmtree(staging)  # what a crashed earlier save left behind
+            os.makedirs(staging)
+        except OSError as exc:
+            prep = _as_error(exc)
+    try:
+        sig = _signatures(state_dict, values=True)
+    except Exception as exc:  # never leave the others waiting in the collective
+        sig, prep = {}, prep or _as_error(exc)
+    gathered = _gather((sig, prep), process_group)
+    _raise_agreed([g[1] for g in gathered], f"cannot save the checkpoint {final}")
+    errors = _check_agreement([g[0] for g in gathered], _group_ranks(process_group, world))
+    if errors:
+        _raise_agreed([("RankDisagreementError", "\n  ".join(errors[:30]))],
+                      f"ranks disagree on the state dict to save into {final} (nothing written)")
+
+    import torch.distributed.checkpoint as dcp
+
+    writer = _capturing(writer_cls)(staging, thread_count=thread_count)
+    t0 = time.perf_counter()
+    try:
+        dcp.save(dict(state_dict), storage_writer=writer, process_group=process_group)
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise RuntimeError(
+            f"dcp.save of {final} failed ({type(exc).__name__}: {str(exc)[:2000]}); a rank "
+            "probably died or was killed during the save. Nothing was published: the previous "
+            f"checkpoint is untouched and the partial files are in {staging}.") from exc
+    t_save = time.perf_counter() - t0
+
+    report: tuple[list[dict], tuple[str, str] | None]
+    try:
+        mine = [_item_record(r.index, r.storage_data) for r in getattr(writer, "mfsdp_results", [])]
+        report = (_checksum_items(staging, mine) if checksums else mine, None)
+    except Exception as exc:
+        report = ([], _as_error(exc))
+    t_crc = time.perf_counter() - t0 - t_save
+    reports = _gather(report, process_group)
+
+    verdict: tuple[str, str] | None = None
+    if rank == 0:
+        try:
+            failed = [r for r, (_, e) in enumerate(reports) if e is not None]
+            if failed:
+                raise RuntimeError(f"ranks {failed} could not checksum their files: "
+                                   f"{[reports[r][1] for r in failed]}")
+            _publish(staging, final, reports, checksums, overwrite, world, metadata,
+                     {"dcp_save_s": t_save, "checksum_s": t_crc})
+        except Exception as exc:
+            verdict = _as_error(exc)
+    verdict = _broadcast(verdict, process_group)
+    _raise_agreed([verdict], f"could not publish the checkpoint {final}")
+    return final
+
+
+def _publish(staging, final, reports, checksums, overwrite, world, metadata, timings) -> None:
+    items = sorted((it for rep, _ in reports for it in rep), key=lambda i: (i["file"], i["start"]))
+    if checksums:
+        _write_json(os.path.join(staging, CHECKSUMS_FILE), {"format": FORMAT, "items": items})
+    files = {}
+    for name in sorted(os.listdir(staging)):
+        path = os.path.join(staging, name)
+        if os.path.isfile(path) and name != COMPLETE_MARKER:
+            files[name] = os.path.getsize(path)
+    if ".metadata" not in files:
+        raise IncompleteCheckpointError(f"{staging}: DCP wrote no .metadata")
+    marker = {
+        "format": FORMAT,
+        "complete": True,
+        "save_id": uuid.uuid4().hex,
+        "world_size": world,
+        "time": time.time(),
+        "files": files,
+        "metadata_sha256": _sha256(os.path.join(staging, ".metadata")),
+        "checksums": CHECKSUMS_FILE if checksums else None,
+        "items": len(items),
+        "timings_s": timings,
+        "user": dict(metadata) if metadata else {},
+    }
+    _write_json(os.path.join(staging, COMPLETE_MARKER), marker)
+    _fsync_dir(staging)
+    old = None
+    if os.path.exists(final):
+        if not overwrite:
+            raise FileExistsError(f"{final} appeared while saving; the new checkpoint stays in "
+                                  f"{staging}")
+        old = final + f".old-{marker['save_id'][:8]}"
+        os.rename(final, old)
+    os.rename(staging, final)
+    _fsync_dir(os.path.dirname(final))
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# completeness and integrity
+
+
+def checkpoint_status(directory: str | os.PathLike) -> tuple[str, str]:
+    """``(status, message)`` of ``directory`` without reading any tensor data or unpickling:
+    ``"complete"`` (this package's marker), ``"dcp"`` (a finished DCP checkpoint without the
+    marker: written by plain ``dcp.save``), ``"incomplete"`` or ``"missing"``."""
+    path = os.path.abspath(os.fspath(directory))
+    if path.endswith(STAGING_SUFFIX):
+        return "incomplete", (
+            f"{path}: INCOMPLETE checkpoint: this is the staging directory of a save that never "
+            "finished (a rank died or was killed during the save, or it is still running); it "
+            "was never published. Load the previous checkpoint; delete this directory.")
+    if not os.path.isdir(path):
+        if os.path.isdir(path + STAGING_SUFFIX):
+            return "incomplete", (
+                f"{path}: INCOMPLETE checkpoint: the save never finished (a rank died or was "
+                f"killed during it, or it is still running); what it wrote is in "
+                f"{path + STAGING_SUFFIX}. Load the previous checkpoint.")
+        return "missing", f"{path}: no such checkpoint directory"
+    names = set(os.listdir(path))
+    if COMPLETE_MARKER in names:
+        return "complete", f"{path}: complete (mfsdp_optim save_checkpoint)"
+    if ".metadata" in names:
+        return "dcp", (f"{path}: a finished DCP checkpoint without this package's completion "
+                       "marker (written by plain dcp.save)")
+    if any(n.endswith(".distcp") for n in names):
+        return "incomplete", (
+            f"{path}: INCOMPLETE checkpoint: shard files but no .metadata, so the DCP save never "
+            "finished (a rank died or was killed during it). Load the previous checkpoint.")
+    return "missing", (f"{path}: no .metadata file, so this is not a finished DCP checkpoint (the "
+                       "save did not complete, or the path names another directory)")
+
+
+def _read_marker(path: str) -> dict:
+    try:
+        with open(os.path.join(path, COMPLETE_MARKER)) as f:
+            marker = json.load(f)
+        if not isinstance(marker, dict) or marker.get("format") != FORMAT or not marker.get(
+                "complete"):
+            raise ValueError(f"format {marker.get('format') if isinstance(marker, dict) else '?'}")
+        return marker
+    except (OSError, ValueError) as exc:
+        raise CorruptCheckpointError(
+            f"{path}: unreadable completion marker {COMPLETE_MARKER} ({exc})") from None
+
+
+def _check_files(path: str, marker: dict) -> list[str]:
+    errors = []
+    for name, size in sorted(marker["files"].items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            errors.append(f"{path}: missing file {name} (the save wrote {size} bytes)")
+        elif os.path.getsize(file) != size:
+            errors.append(f"{path}: {name} is {os.path.getsize(file)} bytes, the save wrote "
+                          f"{size} (truncated or replaced)")
+    meta = os.path.join(path, ".metadata")
+    if os.path.isfile(meta) and _sha256(meta) != marker["metadata_sha256"]:
+        errors.append(f"{path}: .metadata is not the file this save wrote (SHA-256 differs): "
+                      "copied from another run or modified; not unpickling it")
+    return errors
+
+
+def _check_crcs(path: str, marker: dict, part: tuple[int, int]) -> list[str]:
+    if not marker.get("checksums"):
+        return []
+    try:
+        with open(os.path.join(path, marker["checksums"])) as f:
+            items = json.load(f)["items"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [f"{path}: unreadable {marker['checksums']} ({exc})"]
+    me, parts = part
+    files = sorted({it["file"] for it in items})
+    mine = {f for i, f in enumerate(files) if i % parts == me}
+    errors = []
+    got = _checksum_items(path, [{k: v for k, v in it.items() if k != "crc32"}
+                                 for it in items if it["file"] in mine])
+    want = {(it["file"], it["start"]): it["crc32"] for it in items}
+    for it in got:
+        if it["crc32"] != want[(it["file"], it["start"])]:
+            chunk = f" chunk at {it['chunk']}" if it["chunk"] is not None else ""
+            errors.append(f"{path}: checksum mismatch in {it['file']} bytes {it['start']}.."
+                          f"{it['start'] + it['length']}: {it['key']}{chunk} is damaged")
+    return errors
+
+
+def check_checkpoint(
+    directory: str | os.PathLike,
+    *,
+    verify_checksums: bool = True,
+    require_marker: bool = True,
+    _part: tuple[int, int] = (0, 1),
+) -> dict:
+    """Check ``directory`` without loading it; returns its completion marker (``{}`` for a
+    plain DCP checkpoint accepted with ``require_marker=False``).
+
+    Raises IncompleteCheckpointError (the save never finished), FileNotFoundError (no
+    checkpoint there), CorruptCheckpointError (missing, truncated or replaced files, a
+    ``.metadata`` from another run, a checksum mismatch). Reads only JSON and file bytes; it
+    unpickles nothing.
+    """
+    path = os.path.abspath(os.fspath(directory))
+    status, msg = checkpoint_status(path)
+    if status == "incomplete":
+        raise IncompleteCheckpointError(msg)
+    if status == "missing":
+        raise FileNotFoundError(msg)
+    if status == "dcp":
+        if require_marker:
+            raise IncompleteCheckpointError(
+                f"{msg}: nothing proves every rank finished writing it. Pass "
+                "require_marker=False to load it anyway (integrity then rests on DCP alone).")
+        return {}
+    marker = _read_marker(path)
+    errors = _check_files(path, marker)
+    if not errors and verify_checksums:
+        errors = _check_crcs(path, marker, _part)
+    if errors:
+        raise CorruptCheckpointError("\n  ".join(errors))
+    return marker
+
+
+# ---------------------------------------------------------------------------------------------
+# load
+
+
+def _check_targets(path: str, flat: dict[str, Any]) -> list[str]:
+    """Every key of the load target present in the checkpoint, with its global shape and dtype."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    md = safe_read_metadata(path).state_dict_metadata
+    missing = sorted(k for k in flat if k not in md)
+    errors = []
+    if missing:
+        prefixes = sorted({k.split(".")[0] for k in md})
+        errors.append(
+            f"{path}: the checkpoint has no entries for {len(missing)} of the {len(flat)} keys "
+            f"to load, e.g. {missing[:5]} (it holds top-level keys {prefixes[:10]}): a checkpoint "
+            "of another model or optimizer, or saved under another prefix")
+    for key, value in flat.items():
+        item = md.get(key)
+        if item is None or not isinstance(value, torch.Tensor):
+            continue
+        if isinstance(item, BytesStorageMetadata):
+            errors.append(f"{key!r}: the checkpoint holds an object, the target a tensor")
+            continue
+        if tuple(item.size) != tuple(value.shape) or item.properties.dtype != value.dtype:
+            errors.append(f"{key!r}: the checkpoint holds {list(item.size)} "
+                          f"{item.properties.dtype}, the target is {list(value.shape)} "
+                          f"{value.dtype}")
+    return errors[:30]
+
+
+def load_checkpoint(
+    state_dict: Mapping[str, Any],
+    directory: str | os.PathLike,
+    *,
+    verify_checksums: bool = True,
+    require_marker: bool = True,
+    process_group: dist.ProcessGroup | None = None,
+    planner: Any = None,
+) -> dict:
+    """``dcp.load`` into ``state_dict`` after proving the checkpoint whole; returns its marker.
+
+    Every rank of ``process_group`` calls it. Before DCP reads anything: :func:`check_checkpoint`
+    (completeness, file sizes, ``.metadata`` hash, CRC32s, the CRC reads split over the ranks),
+    the ``.metadata`` unpickled with an allow-list, every key of ``state_dict`` present with its
+    global shape and dtype, and the ranks' targets agreeing. ONE ``all_gather_object`` shares
+    every rank's findings; if any rank found anything, every rank raises (IncompleteCheckpointError,
+    CorruptCheckpointError, FileNotFoundError or RankDisagreementError) and ``state_dict``, with
+    the live optimizer state it shares storage with, is untouched. Then ``dcp.load`` with
+    :class:`SafeFileSystemReader` and :class:`SafeLoadPlanner` (non-tensor items loaded with
+    ``weights_only=True``).
+    """
+    rank, world, _ = _dist(process_group)
+    path = os.path.abspath(os.fspath(directory))
+    err: tuple[str, str] | None = None
+    marker: dict = {}
+    sig: dict = {}
+    try:
+        flat = _flat(state_dict)
+        sig = _signatures(state_dict, values=False)
+        marker = check_checkpoint(path, verify_checksums=verify_checksums,
+                                  require_marker=require_marker, _part=(rank, world))
+        errors = _check_targets(path, flat)
+        if errors:
+            err = ("StateDictMismatchError", "\n  ".join(errors))
+    except Exception as exc:
+        err = _as_error(exc)
+    gathered = _gather((sig, err), process_group)
+    _raise_agreed([g[1] for g in gathered], f"refusing to load {path} (nothing was loaded)")
+    errors = _check_agreement([g[0] for g in gathered], _group_ranks(process_group, world))
+    if errors:
+        _raise_agreed([("RankDisagreementError", "\n  ".join(errors[:30]))],
+                      f"ranks disagree on the state dict to load from {path} (nothing loaded)")
+
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.load(state_dict, storage_reader=SafeFileSystemReader(path),
+                 planner=planner if planner is not None else SafeLoadPlanner(),
+                 process_group=process_group)
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        raise_unsafe(exc)
+        raise
+    return marker
