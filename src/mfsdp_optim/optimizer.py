@@ -136,7 +136,8 @@ _CLIP_EPS = 1e-6  # as in stats.clip_grads_with_norm_ and torch.nn.utils.clip_gr
 class _Slot:
     """One param of the base optimizer: its DTensor and the tensor the base optimizer holds."""
 
-    __slots__ = ("fqn", "param", "alias", "group", "work_grad", "saved_grad")
+    __slots__ = ("fqn", "param", "alias", "group", "work_grad", "saved_grad", "grad_spec",
+                 "grad_dtype", "bucket_key")
 
     def __init__(self, fqn: str, param: DTensor, alias: torch.Tensor | None, group: dict):
         self.fqn = fqn
@@ -145,6 +146,11 @@ class _Slot:
         self.group = group
         self.work_grad: DTensor | None = None  # the grad the base step uses (PREPARED)
         self.saved_grad: DTensor | None = None  # the original grad when work_grad is a cast copy
+        # the stats bucket of the last grad seen, valid while the grad keeps this spec object
+        # and dtype (FSDP2 hands every grad of a param the same spec): one identity check a step
+        self.grad_spec: object = None
+        self.grad_dtype: torch.dtype | None = None
+        self.bucket_key: BucketKey | None = None
 
 
 def _te_fused_adam_types() -> tuple[type, ...]:
@@ -426,20 +432,21 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
                 s.work_grad = g
                 if g is None:
                     continue
-                info = layout_of(g, i, group)
                 local = g._local_tensor
-                if cast and local.dtype != s.param.dtype:
+                if g._spec is not s.grad_spec or local.dtype is not s.grad_dtype:
+                    info = layout_of(g, i, group)  # validates; cached per spec
+                    dtype = s.param.dtype if cast else local.dtype
+                    s.bucket_key = (local.device, dtype, info.replication, info.canonical)
+                    s.grad_spec, s.grad_dtype = g._spec, local.dtype
+                if cast and local.dtype is not s.bucket_key[1]:
                     s.saved_grad = g
-                    local = local.to(s.param.dtype)
-                    g = DTensor.from_local(
+                    local = local.to(s.bucket_key[1])
+                    s.work_grad = DTensor.from_local(
                         local, g.device_mesh, g.placements, run_check=False,
                         shape=g.shape, stride=g.stride(),
                     )
-                    s.work_grad = g
                     self._any_cast = True
-                buckets[(local.device, local.dtype, info.replication, info.canonical)].append(
-                    local
-                )
+                buckets[s.bucket_key].append(local)
             if unscale:
                 assert scaler is not None
                 by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
