@@ -1,0 +1,178 @@
+"""Every fenced ``python`` block of README.md and docs/ runs, and the site builds strictly.
+
+A block may be preceded (blank lines aside) by an HTML comment that says how it runs; the comment
+is invisible on GitHub and on the site:
+
+``<!-- test: ranks=N -->``     run on every rank of a live N-rank gloo pool (tests/_ranks.py):
+                                the default process group is already up, as under torchrun
+``<!-- test: continue -->``    run together with the block before it (same page), as one program
+``<!-- test: skip (why) -->``  not run; a reason is required, and such blocks are kept few
+
+Without a comment, a block runs in this process in a fresh namespace.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FENCE_OPEN = re.compile(r"^(?P<indent>\s*)(?P<ticks>`{3,})\s*(?P<info>[^`]*)$")
+MARKER = re.compile(r"^\s*<!--\s*test:\s*(?P<what>.*?)\s*-->\s*$")
+MAX_SKIPPED_FRACTION = 0.25
+
+
+@dataclass
+class Block:
+    path: str  # relative to the repository root
+    line: int  # 1-based line of the opening fence
+    lang: str
+    code: str
+    marker: str | None
+
+
+@dataclass
+class Program:
+    """One or more blocks that run as one piece of code."""
+
+    path: str
+    line: int
+    ranks: int | None  # None: in this process
+    code: str
+    lines: list[int] = field(default_factory=list)
+
+
+def doc_files() -> list[str]:
+    files = ["README.md"]
+    for base, _, names in os.walk(os.path.join(ROOT, "docs")):
+        files += [os.path.relpath(os.path.join(base, n), ROOT) for n in names if n.endswith(".md")]
+    return sorted(f for f in files if os.path.isfile(os.path.join(ROOT, f)))
+
+
+def parse_blocks(rel_path: str) -> list[Block]:
+    with open(os.path.join(ROOT, rel_path), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    blocks: list[Block] = []
+    i = 0
+    while i < len(lines):
+        m = FENCE_OPEN.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, ticks = len(m.group("indent")), m.group("ticks")
+        info = m.group("info").strip().split()
+        start = i
+        body: list[str] = []
+        i += 1
+        while i < len(lines) and not re.match(rf"^\s*{ticks}`*\s*$", lines[i]):
+            body.append(lines[i][indent:] if lines[i][:indent].strip() == "" else lines[i])
+            i += 1
+        i += 1  # the closing fence
+        j = start - 1
+        while j >= 0 and not lines[j].strip():
+            j -= 1
+        mark = MARKER.match(lines[j]) if j >= 0 else None
+        blocks.append(Block(rel_path, start + 1, info[0] if info else "", "\n".join(body) + "\n",
+                            mark.group("what") if mark else None))
+    return blocks
+
+
+def _parse_marker(block: Block) -> tuple[str, int | None]:
+    """('run' | 'continue' | 'skip', ranks)."""
+    what = (block.marker or "").strip()
+    if not what:
+        return "run", None
+    if what.startswith("skip"):
+        reason = what[4:].strip(" :()")
+        assert reason, f"{block.path}:{block.line}: a skipped block needs a reason: skip (why)"
+        return "skip", None
+    if what == "continue":
+        return "continue", None
+    m = re.fullmatch(r"ranks=(\d+)", what)
+    assert m, f"{block.path}:{block.line}: unknown test marker {what!r}"
+    return "run", int(m.group(1))
+
+
+def programs(rel_path: str) -> list[Program]:
+    out: list[Program] = []
+    for block in parse_blocks(rel_path):
+        if block.lang != "python":
+            continue
+        kind, ranks = _parse_marker(block)
+        if kind == "skip":
+            continue
+        if kind == "continue":
+            assert out, f"{block.path}:{block.line}: 'continue' with no block before it"
+            out[-1].code += block.code
+            out[-1].lines.append(block.line)
+            continue
+        out.append(Program(block.path, block.line, ranks, block.code, [block.line]))
+    return out
+
+
+def _exec(code: str, where: str) -> None:
+    """Run one program in a fresh namespace (on a pool rank, or here)."""
+    namespace = {"__name__": "__doc_example__"}
+    exec(compile(code, where, "exec"), namespace)  # noqa: S102 - the point of this test
+
+
+PAGES = [p for p in doc_files() if programs(p)]
+
+
+def test_every_python_block_runs_or_says_why_not():
+    total = skipped = 0
+    for path in doc_files():
+        for block in parse_blocks(path):
+            if block.lang in ("py", "python3", "pycon"):
+                pytest.fail(f"{path}:{block.line}: write ```python (got {block.lang!r})")
+            if block.lang != "python":
+                assert block.marker is None, f"{path}:{block.line}: a test marker on a non-python block"
+                continue
+            total += 1
+            skipped += _parse_marker(block)[0] == "skip"
+    assert total >= 8, f"only {total} python blocks found: is the parser broken?"
+    assert skipped <= MAX_SKIPPED_FRACTION * total, f"{skipped} of {total} python blocks are skipped"
+
+
+def test_parser_sees_markers_and_continuations(tmp_path, monkeypatch):
+    """The parser itself, on a page made for it (so a broken parser cannot pass silently)."""
+    page = tmp_path / "page.md"
+    page.write_text(
+        "text\n\n<!-- test: ranks=2 -->\n\n```python\na = 1\n```\n\n"
+        "<!-- test: continue -->\n```python\nb = a + 1\n```\n\n"
+        "<!-- test: skip (just a picture) -->\n```python\nraise SystemExit\n```\n\n"
+        "```bash\necho hi\n```\n\n- item\n\n    ```python\n    c = 3\n    ```\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
+    progs = programs("page.md")
+    assert [(p.ranks, p.code, p.lines) for p in progs] == [
+        (2, "a = 1\nb = a + 1\n", [5, 10]),
+        (None, "c = 3\n", [25]),
+    ]
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_doc_code(page, ranks):
+    for prog in programs(page):
+        where = f"{prog.path}:{prog.line}"
+        if prog.ranks is None:
+            _exec(prog.code, where)
+        else:
+            ranks(prog.ranks).run(_exec, prog.code, where, timeout=180.0)
+
+
+def test_mkdocs_build_strict(tmp_path):
+    """``mkdocs build --strict`` (what ``nox -s docs`` runs); needs the ``docs`` extra."""
+    for mod in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python"):
+        pytest.importorskip(mod, reason="the docs extra is not installed: pip install -e .[docs]")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert (tmp_path / "site" / "api" / "index.html").is_file()
