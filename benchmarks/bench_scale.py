@@ -110,7 +110,7 @@ def _worker(rank, world, init_file, root, n_params, numel, out_file):
     timed("save_checkpoint, checksums",
           lambda: save_checkpoint({"optimizer": sd}, os.path.join(root, "crc")))
     rss["saved"] = _rss_mb()
-    del sd
+    sd = None  # drop the state dict (the lambdas above read it late, so no `del`)
 
     model2, opt2 = build(0)
     target = timed("sharded_state_dict(is_loading)",
@@ -163,7 +163,8 @@ def main() -> None:
         p.join()
     if any(p.exitcode != 0 for p in procs):
         sys.exit(f"a rank failed: {[p.exitcode for p in procs]}")
-    res = json.load(open(out_file))
+    with open(out_file) as f:
+        res = json.load(f)
     sizes = {d: sum(os.path.getsize(os.path.join(root, d, f)) for f in os.listdir(
         os.path.join(root, d))) / 2**20 for d in ("plain", "crc")}
     print(f"{args.params} params x {args.numel} elements, {args.world} ranks, wall "

@@ -15,6 +15,7 @@ gets a fresh pool, so one deadlock never poisons the suite.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import multiprocessing as mp
@@ -169,10 +170,8 @@ class RankPool:
         self.alive = False
         for proc, queue in zip(self._procs, self._tasks):
             if proc.is_alive():
-                try:
+                with contextlib.suppress(Exception):
                     queue.put(None)
-                except Exception:
-                    pass
         for proc in self._procs:
             proc.join(timeout=5)
             if proc.is_alive():

@@ -78,7 +78,7 @@ def _compare_state(name, full: dict, ref: dict, atol: float) -> None:
         a, b = full[k], ref[k]
         if torch.is_tensor(b):
             torch.testing.assert_close(torch.as_tensor(a).float(), b.float(), atol=atol,
-                                       rtol=1e-5, msg=lambda m: f"{name}.{k}: {m}")
+                                       rtol=1e-5, msg=lambda m, k=k: f"{name}.{k}: {m}")
         else:
             assert a == b, f"{name}.{k}: {a} vs {b}"
 
@@ -129,7 +129,7 @@ def _train_and_compare(mesh, opt_name, *, steps=4, clip=0.05, fused=False, filte
     n_state = 0
     for rec in opt._param_records():
         torch.testing.assert_close(rec.param.full_tensor(), ref_params[rec.fqn].detach(),
-                                   atol=1e-6, rtol=1e-5, msg=lambda m: f"{rec.fqn}: {m}")
+                                   atol=1e-6, rtol=1e-5, msg=lambda m, rec=rec: f"{rec.fqn}: {m}")
         ref_state = ref_opt.state[ref_params[rec.fqn]]
         if rec.opt_param is None:
             assert filter_empty and rec.param._local_tensor.numel() == 0
@@ -151,7 +151,6 @@ def _train_and_compare(mesh, opt_name, *, steps=4, clip=0.05, fused=False, filte
 def _rank_layouts(world_size):
     """fully_shard on the whole world, and (4 ranks) HSDP on a 2x2 mesh."""
     import torch.distributed as dist
-
     from _layouts import get_mesh
 
     assert dist.get_world_size() == world_size
@@ -167,8 +166,8 @@ def _rank_all_optimizers():
     """Every optimizer (foreach, and fused where torch has CPU kernels) through the wrapper
     matches both the unsharded reference and the same optimizer stepping the DTensors."""
     import torch.distributed as dist
-
     from _layouts import get_mesh
+
     from mfsdp_optim.optimizer import FullyShardedOptimizer
 
     mesh = get_mesh((dist.get_world_size(),))
@@ -209,8 +208,8 @@ def _rank_all_optimizers():
 def _rank_filter_and_stubs():
     """Empty-shard filter on 4 ranks; then stub ranks (no params) on a 2x2 world."""
     import torch.distributed as dist
-
     from _layouts import get_mesh
+
     from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
 
     out = {}
@@ -246,7 +245,7 @@ def _rank_filter_and_stubs():
         assert ok and math.isclose(norm, ref_norm, rel_tol=1e-5), (norm, ref_norm)
         stub_norms.append(norm)
     if holds:
-        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        for (_n, p), q in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.full_tensor(), q.detach(), atol=1e-6, rtol=1e-5)
     out["stub_norms"] = stub_norms
     return out
@@ -281,7 +280,6 @@ def test_every_optimizer_matches_unwrapped(ranks):
 
 def _rank_broken(what):
     import torch.distributed as dist
-
     from _layouts import get_mesh
 
     return _train_and_compare(get_mesh((dist.get_world_size(),)), "Adam", steps=2,

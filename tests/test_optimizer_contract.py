@@ -9,7 +9,6 @@ import math
 import warnings
 
 import torch
-
 from test_optimizer import _batch, _model, _shard
 
 
@@ -145,9 +144,9 @@ def test_dense_expert_training_and_overflow_agreement(ranks):
 
 def _rank_cast_sched_hooks_rebind():
     import torch.distributed as dist
+    from _layouts import get_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from _layouts import get_mesh
     from mfsdp_optim.grad_scaler import ConstantGradScaler
     from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
 
@@ -259,9 +258,9 @@ def test_grad_cast_scheduler_hooks_and_rebind(ranks):
 
 def _rank_bad_configs():
     import torch.distributed as dist
+    from _layouts import get_mesh
     from torch.distributed.tensor import DTensor, Replicate
 
-    from _layouts import get_mesh
     from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
 
     mesh = get_mesh((dist.get_world_size(),))

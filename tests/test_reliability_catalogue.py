@@ -178,9 +178,11 @@ def _cases(root):  # noqa: C901 - one flat list of small cases
                 os.truncate(os.path.join(path, shards[0]), 10)
             elif kind == "flip":
                 f = os.path.join(path, shards[1])
-                data = bytearray(open(f, "rb").read())
+                with open(f, "rb") as fh:
+                    data = bytearray(fh.read())
                 data[-100] ^= 1
-                open(f, "wb").write(data)
+                with open(f, "wb") as fh:
+                    fh.write(data)
             elif kind == "missing":
                 os.remove(os.path.join(path, shards[2]))
             elif kind == "foreign_md":

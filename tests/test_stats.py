@@ -255,7 +255,7 @@ def test_ranks_without_grads_still_take_part(ranks):
     from _layouts import global_tensor
 
     g = global_tensor(specs[0], (0,)).double()
-    for dtype, norm, zeros, found_inf in results:
+    for _dtype, norm, zeros, found_inf in results:
         assert norm == pytest.approx(float(g.norm()), rel=1e-6)
         assert zeros == int((g == 0).sum()) and not found_inf
 
@@ -295,7 +295,7 @@ def test_clip_matches_torch_on_the_global_tensors(ranks, case, max_norm):
         for ref, b, s in zip(reference, before, specs):
             ref.grad = b.to(DTYPES[s.dtype])  # the same dtype the sharded grads have
         torch.nn.utils.clip_grads_with_norm_(reference, max_norm, torch.tensor(norm))
-        for g, ref, b, s in zip(got, reference, before, specs):
+        for g, ref, b, _s in zip(got, reference, before, specs):
             torch.testing.assert_close(g.to(ref.grad.dtype), ref.grad, rtol=1e-6, atol=0.0)
             if coef < 1:
                 assert not torch.equal(g, b) or not b.any()

@@ -49,9 +49,8 @@ def _global_state(opt) -> dict:
 
 def _rank_save(path, filter_empty):
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
     from _layouts import get_mesh
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     model, opt = _wrapped(get_mesh((dist.get_world_size(),)), filter_empty)
     _train(model, opt, STEPS_BEFORE, 0)
@@ -65,12 +64,11 @@ def _rank_save(path, filter_empty):
 
 def _rank_load(path, mesh_shape, filter_empty):
     import torch.distributed.checkpoint as dcp
+    from _layouts import get_mesh
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         set_model_state_dict,
     )
-
-    from _layouts import get_mesh
 
     # a 2-D mesh makes fully_shard HSDP: replicate over dim 0, shard over dim 1
     model, opt = _wrapped(get_mesh(mesh_shape), filter_empty)

@@ -21,7 +21,6 @@ overflow, and the zero count stays exact far past 2**24.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 
@@ -56,7 +55,7 @@ def empty_contribution(device: torch.device) -> torch.Tensor:
 
 
 def shard_contribution(
-    tensors: Sequence[torch.Tensor],
+    tensors: list[torch.Tensor] | tuple[torch.Tensor, ...],
     *,
     norm_type: float,
     replication: int,
@@ -78,10 +77,7 @@ def shard_contribution(
         if not tensors:
             return empty_contribution(device)
     norms = torch.stack(torch._foreach_norm(tensors, norm_type, dtype=_ACC))
-    if math.isinf(norm_type):
-        norm_slot = norms.max()
-    else:
-        norm_slot = norms.pow(norm_type).sum() / replication
+    norm_slot = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum() / replication
     nonfinite = (~torch.isfinite(norms)).sum(dtype=_ACC)
     if count_zeros and canonical:
         numel = sum(t.numel() for t in tensors)

@@ -75,7 +75,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, dataclass
 from itertools import chain
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -86,7 +86,14 @@ from ._params import ParamRecord
 from ._placement import mesh_ranks_outside_group
 from ._stats_math import check_norm_type
 from .grad_scaler import GradScaler
-from .stats import BucketKey, GradStats, clip_grads_with_norm_, grad_stats, layout_of, reduce_buckets
+from .stats import (
+    BucketKey,
+    GradStats,
+    clip_grads_with_norm_,
+    grad_stats,
+    layout_of,
+    reduce_buckets,
+)
 
 __all__ = ["FullyShardedOptimizer", "OptimizerConfig"]
 
@@ -382,6 +389,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
     def _rebind(self, s: _Slot) -> None:
         """FSDP2 replaced ``s.param._local_tensor``: hand the base optimizer the new one."""
         old, new = s.alias, s.param._local_tensor
+        assert old is not None  # only slots the base optimizer holds have an alias to rebind
         params = s.group["params"]
         for i, q in enumerate(params):
             if q is old:
@@ -396,7 +404,8 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         """The grads statistics and clipping act on now (the cast copies while PREPARED)."""
         if self._stage == _PREPARED:
             return [s.work_grad for s in self._slots if s.work_grad is not None]
-        return [s.param.grad for s in self._slots if s.param.grad is not None]
+        # a DTensor param's grad is a DTensor (torch types ``.grad`` as a plain Tensor)
+        return [cast(DTensor, s.param.grad) for s in self._slots if s.param.grad is not None]
 
     def _stats_of(self, grads: list[DTensor], count_zeros: bool) -> GradStats:
         if not self._in_stats_group:  # a paramless rank outside the group: nothing to add
@@ -417,7 +426,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
                 "prepare_grads() was already called for this step (the grads are already "
                 "unscaled); call step_with_ready_grads() or zero_grad() before preparing again."
             )
-        cast = not self._precision_aware
+        cast_grads = not self._precision_aware
         scaler = self.grad_scaler
         unscale = scaler is not None and scaler.get_scale() != 1.0
         group = self.config.grad_stats_group
@@ -427,26 +436,29 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
             # the one per-param loop of prepare: cast, validate (cached per layout), bucket
             buckets: dict[BucketKey, list[torch.Tensor]] = defaultdict(list)
             for i, s in enumerate(self._slots):
-                g = s.param.grad
+                g = cast("DTensor | None", s.param.grad)  # a DTensor param's grad is a DTensor
                 s.saved_grad = None
                 s.work_grad = g
                 if g is None:
                     continue
                 local = g._local_tensor
+                key = s.bucket_key
                 if g._spec is not s.grad_spec or local.dtype is not s.grad_dtype:
                     info = layout_of(g, i, group)  # validates; cached per spec
-                    dtype = s.param.dtype if cast else local.dtype
-                    s.bucket_key = (local.device, dtype, info.replication, info.canonical)
+                    dtype = s.param.dtype if cast_grads else local.dtype
+                    key = s.bucket_key = (local.device, dtype, info.replication, info.canonical)
                     s.grad_spec, s.grad_dtype = g._spec, local.dtype
-                if cast and local.dtype is not s.bucket_key[1]:
+                # set above the first time: grad_spec starts as None, which no grad's spec is
+                assert key is not None
+                if cast_grads and local.dtype is not key[1]:
                     s.saved_grad = g
-                    local = local.to(s.bucket_key[1])
+                    local = local.to(key[1])
                     s.work_grad = DTensor.from_local(
                         local, g.device_mesh, g.placements, run_check=False,
                         shape=g.shape, stride=g.stride(),
                     )
                     self._any_cast = True
-                buckets[s.bucket_key].append(local)
+                buckets[key].append(local)
             if unscale:
                 assert scaler is not None
                 by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
@@ -518,12 +530,13 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
             if s.param._local_tensor is not alias:
                 self._rebind(s)
                 alias = s.alias
+                assert alias is not None  # _rebind set it to the param's new local tensor
             wg = s.work_grad
             if wg is None:
                 continue
             lg = wg._local_tensor
             if decoupled:
-                alias.decoupled_grad = lg
+                alias.decoupled_grad = lg  # type: ignore[attr-defined]  # TE's attribute
             else:
                 if lg.dtype != alias.dtype:  # precision-aware optimizer taking low-precision
                     alias.grad_dtype = None
@@ -534,7 +547,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         finally:
             if decoupled:
                 for a in bound:
-                    a.decoupled_grad = None
+                    a.decoupled_grad = None  # type: ignore[attr-defined]  # TE's attribute
             else:
                 for a in bound:
                     a.grad = None
@@ -623,7 +636,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         else:
             by_key: dict[tuple, list[torch.Tensor]] = defaultdict(list)
             for s in self._slots:
-                g = s.param.grad
+                g = cast("DTensor | None", s.param.grad)  # a DTensor param's grad is a DTensor
                 if g is not None:
                     local = g._local_tensor
                     by_key[(local.device, local.dtype)].append(local)
@@ -690,7 +703,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         stats = self._prepare()
         with_zeros = stats.num_zeros is not None
         values = [stats.found_inf, stats.total_norm]
-        if with_zeros:
+        if stats.num_zeros is not None:  # i.e. with_zeros
             values.append(stats.num_zeros)
 
         def host_values() -> tuple[bool, float, int | None]:

@@ -299,11 +299,22 @@ def _bucket_contribution(
     count_zeros: bool,
 ) -> torch.Tensor:
     """One bucket's contribution: the fused kernel where it applies, else multi-tensor torch."""
-    kwargs = dict(
-        norm_type=norm_type, replication=replication, canonical=canonical, count_zeros=count_zeros
+    row = _fused.shard_contribution(
+        tensors,
+        norm_type=norm_type,
+        replication=replication,
+        canonical=canonical,
+        count_zeros=count_zeros,
     )
-    row = _fused.shard_contribution(tensors, **kwargs)
-    return row if row is not None else shard_contribution(tensors, **kwargs)
+    if row is not None:
+        return row
+    return shard_contribution(
+        tensors,
+        norm_type=norm_type,
+        replication=replication,
+        canonical=canonical,
+        count_zeros=count_zeros,
+    )
 
 
 def _all_combine(

@@ -23,10 +23,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from .._comm import all_gather_objects
 from .._params import ParamRecord
 from ._layout import Slot, StateLayoutError, classify
 from ._values import PlainValueError, group_meta
-from .._comm import all_gather_objects
 
 __all__ = ["Keyspace", "LocalState", "describe", "gather", "merge"]
 

@@ -88,10 +88,12 @@ def placeholder(slot: Slot, param: DTensor) -> Any:
     """The value a rank without state emits for ``slot``: zeros in the parameter's layout (empty
     when its local shard is empty), or the owners' scalar value."""
     if slot.kind == "t":
+        assert slot.dtype is not None  # classify() names the dtype of every tensor slot
         local = torch.zeros(
             local_shape(param), dtype=dtype_from_name(slot.dtype), device=param._local_tensor.device
         )
         return wrap(local, param)
     if slot.kind == "s":
+        assert slot.dtype is not None  # classify() names the dtype of every tensor slot
         return torch.tensor(slot.value, dtype=dtype_from_name(slot.dtype))
     return slot.value

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .._comm import all_gather_objects
 from .._params import ParamRecord
 from ._layout import Slot, StateLayoutError, classify, local_shape
 from ._values import EXCLUDED_GROUP_KEYS, PlainValueError, restore_like, to_plain
-from .._comm import all_gather_objects
 
 __all__ = ["StateDictMismatchError", "load_sharded_state_dict"]
 
