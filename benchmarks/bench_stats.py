@@ -34,7 +34,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from collections.abc import Callable
 
 import torch
@@ -112,23 +111,6 @@ def init_world(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, store=store, rank=0, world_size=1)
-
-
-def proto_bucket(grads, cache: dict):
-    """A leaner bucketing loop (what stats.py could do): per-spec facts cached by the spec's
-    identity (FSDP2 reuses one spec object per parameter across steps), no per-grad numel test
-    (the contribution paths skip empty tensors themselves)."""
-    buckets: dict = defaultdict(list)
-    for g in grads:
-        spec = g._spec
-        ent = cache.get(id(spec))
-        if ent is None or ent[0] is not spec:
-            info = stats.layout_info(stats.require_dtensor(g, "grad"))
-            ent = (spec, info.replication, info.canonical)
-            cache[id(spec)] = ent
-        local = g._local_tensor
-        buckets[(local.device, local.dtype, ent[1], ent[2])].append(local)
-    return buckets
 
 
 def run_set(name, count, shape, device, mesh, bw, args) -> dict:
@@ -235,22 +217,7 @@ def run_set(name, count, shape, device, mesh, bw, args) -> dict:
     diag["host: stats._bucket_local_shards"] = host_ms(
         lambda: stats._bucket_local_shards(grads, None), device
     )
-    cache: dict = {}
-    diag["host: prototype bucketing (spec-id cache)"] = host_ms(
-        lambda: proto_bucket(grads, cache), device
-    )
     diag["host: grad_stats"] = host_ms(lambda: mfsdp_optim.grad_stats(grads), device)
-    try:  # the prototype end to end (stats internals may move; then skip it)
-        dev = stats._collective_device(None)
-
-        def proto_stats():
-            local = stats._local_contribution(proto_bucket(grads, cache), 2.0, False, dev)
-            return stats._all_combine(local, 2.0, None)
-
-        timed("prototype: lean bucketing + same kernel", proto_stats)
-        diag["host: prototype grad_stats"] = host_ms(proto_stats, device)
-    except Exception as exc:  # pragma: no cover - diagnostics only
-        diag["prototype skipped"] = repr(exc)  # type: ignore[assignment]
 
     return {
         "set": name,
