@@ -18,7 +18,36 @@ the alias. FSDP2 may replace ``p._local_tensor`` (lazy init at the first forward
 param and, if it changed, re-binds: the new local tensor takes the old one's place in its param
 group and its optimizer state (the state's key moves; values are untouched). That check, the bind
 and the unbind are one Python loop over the params (about 1 us per param on a CPU host; see
-``benchmarks/bench_step.py``), and it is the only per-param Python work of a step.
+``benchmarks/bench_step.py``), and it is the only per-param Python work of a step besides the
+prepare loop. (The Adam/AdamW fast step below replaces it.)
+
+**Fast step** (``_fast_step``) for ``torch.optim.Adam``/``AdamW`` with ``fused=True`` or
+``foreach=True``: no grad binding and no ``optimizer.step()``. The prepare loop, which visits
+every param anyway, also appends each param's local work grad (unscaled, cast) to its param
+group's list and checks its alias is still ``p._local_tensor``; the wrapper then calls what
+``Adam.step()`` calls after ``_init_group``, per group, with lists of aliases and state tensors
+(exp_avg, exp_avg_sq, max_exp_avg_sq, step) cached across steps: for a fused group on one
+(device, dtype), ``torch._foreach_add_(steps, 1)`` and ``torch._fused_adam_``/``_fused_adamw_``
+with the group's hyperparameters read at each step (the body of ``torch.optim.adam._fused_adam``);
+otherwise the functional ``torch.optim.adam.adam(...)`` with the arguments ``Adam.step()`` passes
+(foreach: ``_multi_tensor_adam``). Same kernels, same tensors, same argument values, same order:
+bit-identical params and state (``tests/test_fast_step.py`` checks Adam/AdamW x fused/foreach x
+amsgrad x maximize x weight_decay x float/tensor lr, with clipping, a grad scaler, bf16 grads and
+the empty-shard filter). Params without a grad are left out of the lists, as ``_init_group`` does.
+
+It applies only when ``type(optimizer)`` is exactly ``Adam`` or ``AdamW``; every group has
+``fused=True`` (or ``foreach=True`` with a float lr), ``capturable=False`` and
+``differentiable=False``; the base optimizer has no step pre/post hooks, no instance-level
+``step`` (an lr scheduler attached to the *base* optimizer) and no ``grad_scale``/``found_inf``,
+and there are no global optimizer hooks (all of these would be skipped); the grads are not
+precision-aware/decoupled; and every param of every group already has its full state. Otherwise
+(in particular the first step, which creates the state) the generic path runs. The cache is
+rebuilt after alias re-binding, ``add_param_group``, ``load_state_dict``/``sharded_state_dict``,
+``param_groups`` assignment, a new ``optimizer.state`` mapping or a change in its size, new group
+dicts or params lists, or a changed ``amsgrad``; a step whose prepare loop saw a replaced local
+tensor goes generic (which re-binds). Replacing one existing ``optimizer.state[p]`` entry by
+hand is not detected: call ``_invalidate_fast_step()`` after it. ``MFSDP_OPTIM_DISABLE_FAST_STEP=1``
+forces the generic path; ``fast_steps`` counts the steps that took the fast path.
 
 **The step contract** (Megatron-Core's mixed-precision optimizer, on DTensors)::
 
@@ -82,6 +111,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim import optimizer as _torch_optim_module
 
+from ._fast_step import FastAdamStep
 from ._params import ParamRecord
 from ._placement import mesh_ranks_outside_group
 from ._stats_math import check_norm_type
@@ -144,7 +174,7 @@ class _Slot:
     """One param of the base optimizer: its DTensor and the tensor the base optimizer holds."""
 
     __slots__ = ("fqn", "param", "alias", "group", "work_grad", "saved_grad", "grad_spec",
-                 "grad_dtype", "bucket_key")
+                 "grad_dtype", "bucket_key", "fast_list")
 
     def __init__(self, fqn: str, param: DTensor, alias: torch.Tensor | None, group: dict):
         self.fqn = fqn
@@ -158,6 +188,8 @@ class _Slot:
         self.grad_spec: object = None
         self.grad_dtype: torch.dtype | None = None
         self.bucket_key: BucketKey | None = None
+        # the fast step's grad list of this param's group (see _fast_step); None: not cached
+        self.fast_list: list[torch.Tensor] | None = None
 
 
 def _te_fused_adam_types() -> tuple[type, ...]:
@@ -258,6 +290,13 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         self._work_locals: dict[tuple, list[torch.Tensor]] = {}
         self._any_cast = False  # whether prepare made dtype-cast copies to restore
         self.last_update_successful: bool | None = None
+        # the Adam/AdamW fast step (see _fast_step): its cache is valid for one _fast_version,
+        # bumped whenever aliases, groups or state change through the wrapper
+        self._fast = FastAdamStep()
+        self._fast_version = 0
+        self._fast_armed = False  # the prepare loop collected the grads for the fast step
+        self._fast_stale = False  # the prepare loop saw a replaced local tensor: go generic
+        self.fast_steps = 0  # steps that took the fast path (for tests and diagnostics)
 
         fqns = _fqn_map(self.model_chunks)
         self._slots: list[_Slot] = []
@@ -269,6 +308,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
 
     def _adopt_groups(self, groups: list[dict], fqns: dict[int, str]) -> None:
         """Validate every param of ``groups`` and swap it for its local alias (or filter it)."""
+        self._fast_version += 1
         missing: list[str] = []
         for g, group in enumerate(groups):
             for j, p in enumerate(group["params"]):
@@ -355,6 +395,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
 
     @param_groups.setter
     def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self._fast_version += 1
         self.optimizer.param_groups = value
 
     @property
@@ -390,6 +431,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         """FSDP2 replaced ``s.param._local_tensor``: hand the base optimizer the new one."""
         old, new = s.alias, s.param._local_tensor
         assert old is not None  # only slots the base optimizer holds have an alias to rebind
+        self._fast_version += 1
         params = s.group["params"]
         for i, q in enumerate(params):
             if q is old:
@@ -431,14 +473,23 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         unscale = scaler is not None and scaler.get_scale() != 1.0
         group = self.config.grad_stats_group
         self._any_cast = False
+        fast = self._fast_armed = self._fast.begin(self)
+        self._fast_stale = False
 
         def bucket_work_grads() -> dict[BucketKey, list[torch.Tensor]]:
-            # the one per-param loop of prepare: cast, validate (cached per layout), bucket
+            # the one per-param loop of prepare: cast, validate (cached per layout), bucket,
+            # and (fast step) collect each group's grads and check its alias
             buckets: dict[BucketKey, list[torch.Tensor]] = defaultdict(list)
+            stale = False
+            if fast:
+                self._fast.clear()
             for i, s in enumerate(self._slots):
                 g = cast("DTensor | None", s.param.grad)  # a DTensor param's grad is a DTensor
                 s.saved_grad = None
                 s.work_grad = g
+                fl = s.fast_list if fast else None
+                if fl is not None and s.param._local_tensor is not s.alias:
+                    stale = True  # FSDP2 replaced the local tensor: the generic step rebinds
                 if g is None:
                     continue
                 local = g._local_tensor
@@ -459,6 +510,9 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
                     )
                     self._any_cast = True
                 buckets[key].append(local)
+                if fl is not None:
+                    fl.append(local)
+            self._fast_stale = stale
             if unscale:
                 assert scaler is not None
                 by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
@@ -519,8 +573,21 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
                     )
 
     def _bind_and_step(self) -> None:
-        """Bind the work grads to the aliases, run the base step, unbind, restore dtypes."""
+        """Bind the work grads to the aliases, run the base step, unbind, restore dtypes.
+
+        The Adam/AdamW fast step (see ``_fast_step``) replaces bind, base step and unbind when
+        the prepare loop collected the grads for it and nothing has changed since."""
         self._check_hyperparameters()
+        if self._fast_armed and not self._fast_stale and self._fast.ready(self):
+            self._fast_armed = False
+            try:
+                self._fast.step(self.optimizer, {k[0] for k in self._work_locals})
+                self.fast_steps += 1
+            finally:
+                self._restore_grads()
+            return
+        self._fast_armed = False
+        self._fast.clear()
         decoupled = self._decoupled_grad
         bound: list[torch.Tensor] = []
         for s in self._slots:
@@ -555,6 +622,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
 
     def _restore_grads(self) -> None:
         """Copy cast grads back into the original grads and drop the copies."""
+        self._fast.clear()
         if not self._any_cast:
             for s in self._slots:
                 s.work_grad = None
@@ -630,6 +698,8 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
             s.work_grad = None
             s.saved_grad = None
         self._work_locals = {}
+        self._fast.clear()
+        self._fast_armed = False
         if set_to_none:
             for s in self._slots:
                 s.param.grad = None
@@ -753,6 +823,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         """
         from .checkpoint import build_sharded_state_dict
 
+        self._invalidate_fast_step()  # init_state_fn may create or replace state
         return build_sharded_state_dict(
             self.optimizer,
             self._param_records(),
@@ -764,7 +835,18 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         """Load a state dict made by :meth:`sharded_state_dict` (after DCP filled it)."""
         from .checkpoint import load_sharded_state_dict
 
-        load_sharded_state_dict(self.optimizer, self._param_records(), state_dict)
+        self._invalidate_fast_step()
+        try:
+            load_sharded_state_dict(self.optimizer, self._param_records(), state_dict)
+        finally:
+            self._invalidate_fast_step()
+
+    def _invalidate_fast_step(self) -> None:
+        """Drop the fast step's cached lists (rebuilt at the next step). The wrapper calls this
+        itself; call it after replacing an entry of ``optimizer.state`` by hand."""
+        self._fast_version += 1
+        self._fast.invalidate()
+        self._fast_armed = False
 
     def state_dict(self) -> dict[str, Any]:
         raise NotImplementedError(
