@@ -123,6 +123,7 @@ from .stats import (
     grad_stats,
     layout_of,
     reduce_buckets,
+    scale_locals_by_clip_coef_,
 )
 
 __all__ = ["FullyShardedOptimizer", "OptimizerConfig"]
@@ -167,7 +168,6 @@ class OptimizerConfig:
 
 
 _READY, _PREPARED, _STEPPED = "READY", "PREPARED", "STEPPED"
-_CLIP_EPS = 1e-6  # as in stats.clip_grads_with_norm_ and torch.nn.utils.clip_grad_norm_
 
 
 class _Slot:
@@ -548,11 +548,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         validated and grouped by (device, dtype): same coefficient,
         ``min(1, max_norm / (total_norm + 1e-6))``, kept on device, one multi-tensor multiply
         per group, without re-validating every grad (about 5 us per grad on a CPU host)."""
-        coef = (max_norm / (total_norm.to(torch.float32) + _CLIP_EPS)).clamp(max=1.0)
-        for (device, *_), tensors in self._work_locals.items():
-            # the float32 coefficient multiplies in float32 math (a tiny one cast to fp16 first
-            # would lose its precision)
-            torch._foreach_mul_(tensors, coef.to(device=device, non_blocking=True))
+        scale_locals_by_clip_coef_(self._work_locals, max_norm, total_norm)
 
     def _check_hyperparameters(self) -> None:
         """Refuse a non-finite lr or weight_decay (a scheduler bug) before it reaches the params.

@@ -201,10 +201,19 @@ def clip_grads_with_norm_(
     for i, grad in enumerate(grads):
         local = require_dtensor(grad, f"grads[{i}]")._local_tensor
         by_device_dtype[(local.device, local.dtype)].append(local)
-    if not by_device_dtype:
+    scale_locals_by_clip_coef_(by_device_dtype, max_norm, total_norm)
+
+
+def scale_locals_by_clip_coef_(
+    groups: dict, max_norm: float, total_norm: torch.Tensor
+) -> None:
+    """Multiply local tensors, grouped by keys that start with their device, by
+    ``min(1, max_norm / (total_norm + 1e-6))``: one multi-tensor multiply per group, the
+    coefficient kept on device. Shared by :func:`clip_grads_with_norm_` and the wrapper."""
+    if not groups:
         return
     coef = (max_norm / (total_norm.to(torch.float32) + _MAX_NORM_EPS)).clamp(max=1.0)
-    for (device, _), tensors in by_device_dtype.items():
+    for (device, *_), tensors in groups.items():
         # the float32 coefficient multiplies in float32 math: a tiny coefficient cast to fp16
         # first would lose its precision (or flush to zero)
         torch._foreach_mul_(tensors, coef.to(device=device, non_blocking=True))
