@@ -80,6 +80,19 @@ def _make(count, shape, device, mesh, seed):
     return locals_, params
 
 
+def _profile(fn, label: str) -> None:
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(5):
+        fn()
+    prof.disable()
+    print(f"--- host profile, 5 wrapper steps, {label} (tottime) ---")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -89,6 +102,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--sets", default=",".join(SHAPE_SETS))
     ap.add_argument("--modes", default="fused,foreach")
+    ap.add_argument("--clip", type=float, default=1.0, help="OptimizerConfig.clip_grad (0: off)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also cProfile 5 wrapper steps per row (host time by function)")
     args = ap.parse_args()
 
     from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
@@ -127,12 +143,15 @@ def main() -> None:
                 t_b = float("nan")
             del stock, dparams
             wrapper = FullyShardedOptimizer(torch.optim.AdamW(params, **kw),
-                                            OptimizerConfig(clip_grad=1.0))
+                                            OptimizerConfig(clip_grad=args.clip))
             t_c = _timer(device, wrapper.step, args.warmup, args.iters)
+            folded, fast = wrapper.clip_folds, wrapper.fast_steps
+            if args.profile:
+                _profile(wrapper.step, f"{label} {mode}")
             del wrapper, params
             print(f"{label:<22}{mode:<9}{t_a:>11.2f}{t_b:>12.2f}{t_c:>11.2f}{floor_ms:>10.2f}"
                   f"{t_b / t_a:>7.2f}{t_c / t_a:>7.2f}{t_c - t_a:>8.2f}{t_a / floor_ms:>9.2f}"
-                  f"{t_c / floor_ms:>9.2f}")
+                  f"{t_c / floor_ms:>9.2f}   fast steps {fast}, clip folds {folded}")
     dist.destroy_process_group()
 
 

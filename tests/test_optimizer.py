@@ -118,6 +118,9 @@ def _train_and_compare(mesh, opt_name, *, steps=4, clip=0.05, fused=False, filte
         if clip:
             assert ref_norm > clip, "precondition: clipping must trigger"
         norms.append(norm)
+    # FSDP2 builds every grad of a param on the same spec: after the first step each prepare
+    # replays its recorded plan (and the results above were checked on that path)
+    assert opt.prepare_replays == steps - 1, (opt.prepare_replays, steps)
     ref_params = dict(ref.named_parameters())
     if break_it == "params":
         with torch.no_grad():

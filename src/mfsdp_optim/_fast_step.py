@@ -231,18 +231,21 @@ class FastAdamStep:
             for gc in self._groups:
                 gc.grads.clear()
 
-    def step(self, optimizer: torch.optim.Optimizer, grad_devices: set[torch.device]) -> None:
+    def step(self, optimizer: torch.optim.Optimizer, grad_devices: set[torch.device],
+             grad_scale: torch.Tensor | None = None) -> None:
         """``Adam.step()`` on the cached lists and the collected grads; ``grad_devices``: the
-        devices of all the work grads (the direct fused call needs them on the group's)."""
+        devices of all the work grads (the direct fused call needs them on the group's);
+        ``grad_scale``: what ``Adam.step()`` would read from ``optimizer.grad_scale`` (fused
+        groups only; the wrapper's folded clip)."""
         assert self._groups is not None
         optimizer._accelerator_graph_capture_health_check()
         with torch.no_grad():
             for gc in self._groups:
                 direct = gc.device is not None and all(d == gc.device for d in grad_devices)
-                self._step_group(gc, direct)
+                self._step_group(gc, direct, grad_scale)
 
     @staticmethod
-    def _step_group(gc: _GroupCache, direct: bool) -> None:
+    def _step_group(gc: _GroupCache, direct: bool, grad_scale: torch.Tensor | None) -> None:
         group = gc.group
         grads = gc.grads
         params, exp_avgs, exp_avg_sqs = gc.params, gc.exp_avgs, gc.exp_avg_sqs
@@ -269,6 +272,8 @@ class FastAdamStep:
                 beta2 = beta2.squeeze()
             if torch.is_tensor(lr) and str(lr.device) != "cpu" and lr.device != device:
                 lr = lr.to(device=device, non_blocking=True)
+            if grad_scale is not None:
+                grad_scale = grad_scale.to(device, non_blocking=True)
             torch._foreach_add_(steps, 1)
             func = (torch._fused_adamw_ if group["decoupled_weight_decay"]
                     else torch._fused_adam_)
@@ -276,7 +281,7 @@ class FastAdamStep:
                 params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
                 amsgrad=group["amsgrad"], lr=lr, beta1=beta1, beta2=beta2,
                 weight_decay=group["weight_decay"], eps=group["eps"],
-                maximize=group["maximize"], grad_scale=None, found_inf=None,
+                maximize=group["maximize"], grad_scale=grad_scale, found_inf=None,
             )
             return
         # exactly the call Adam.step() makes after _init_group
@@ -286,6 +291,6 @@ class FastAdamStep:
             lr=lr, weight_decay=group["weight_decay"], eps=group["eps"],
             maximize=group["maximize"], foreach=group["foreach"],
             capturable=group["capturable"], differentiable=group["differentiable"],
-            fused=group["fused"], grad_scale=None, found_inf=None,
+            fused=group["fused"], grad_scale=grad_scale, found_inf=None,
             decoupled_weight_decay=group["decoupled_weight_decay"],
         )

@@ -219,6 +219,13 @@ def scale_locals_by_clip_coef_(
         torch._foreach_mul_(tensors, coef.to(device=device, non_blocking=True))
 
 
+def clip_grad_divisor(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
+    """``max(1, (total_norm + 1e-6) / max_norm)`` as a 0-d float32 tensor on ``total_norm``'s
+    device: the clip as a divisor, for fused optimizers that take it as their ``grad_scale``
+    (they divide each grad by it inside the update and store the result back into the grad)."""
+    return ((total_norm.to(torch.float32) + _MAX_NORM_EPS) / max_norm).clamp(min=1.0)
+
+
 # --------------------------------------------------------------------------------------------
 # internals
 
