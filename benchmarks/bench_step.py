@@ -5,15 +5,19 @@ shape sets: 3000 x (512 x 256) and 300 x (4096 x 1024). For each it times
 
   (a) bare:    the base optimizer's step on plain local tensors (the target),
   (b) stock:   the same torch optimizer stepping the DTensor params (what FSDP2 users get),
-  (c) wrapper: FullyShardedOptimizer.step() on the DTensor params: grad_stats (one collective),
-               clip (clip_grad=1.0), alias bind/unbind and the base step,
+  (c) wrap:    FullyShardedOptimizer.step() on the DTensor params: grad_stats (one collective),
+               clip (--clip, default 1.0: clipping acts), the base step and the return values,
+  (d) wrap+triton: the same with OptimizerConfig(triton_adam_step=True) (fused mode, CUDA only),
 
 and the floor: 28 bytes/param (AdamW reads p, g, m, v and writes p, m, v in fp32) over the
-measured device copy bandwidth. GPU timings use CUDA events after warmup; CPU timings use
-perf_counter.
+measured device copy bandwidth. All contenders are built first and timed in rounds, one call of
+each per round with the order rotating, so a slow spell of the host hits them alike (the host
+of the device machine varies up to 2x between minutes); the median per contender is reported.
+GPU timings use CUDA events; CPU timings use perf_counter.
 
     python benchmarks/bench_step.py                       # auto device, full sizes
     python benchmarks/bench_step.py --device cpu --scale 0.01 --iters 5
+    python benchmarks/bench_step.py --clip 0 --profile    # clipping off; host profile
     python benchmarks/bench_step.py --count-scale 0.1     # fewer params per set
 
 ``--scale`` shrinks each param's rows (keeps the param count, so host overhead stays visible);
@@ -36,26 +40,40 @@ from torch.distributed.tensor import DTensor, Shard
 SHAPE_SETS = {"3000x512x256": (3000, (512, 256)), "300x4096x1024": (300, (4096, 1024))}
 
 
+def _time_once(device: torch.device, fn) -> float:
+    """Milliseconds of one call (CUDA events on GPU)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def _timer(device: torch.device, fn, warmup: int, iters: int) -> float:
     """Median milliseconds per call."""
     for _ in range(warmup):
         fn()
-    times = []
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+    return statistics.median(_time_once(device, fn) for _ in range(iters))
+
+
+def _interleaved(device: torch.device, fns: dict, warmup: int, iters: int) -> dict:
+    """Median milliseconds per call of each fn, timed in rounds (one call of each per round, the
+    order rotating), so that a slow spell of the host or the GPU hits every contender alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
             fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-    else:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    names = list(fns)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(iters):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            times[k].append(_time_once(device, fns[k]))
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _copy_bandwidth(device: torch.device, nbytes: int) -> float:
@@ -66,12 +84,12 @@ def _copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * src.numel() * 4 / (ms / 1e3)
 
 
-def _make(count, shape, device, mesh, seed):
+def _make(count, shape, device, mesh, seed, dtensors=True):
     gen = torch.Generator(device=device).manual_seed(seed)
     locals_ = [torch.randn(shape, device=device, generator=gen) for _ in range(count)]
     grads = [torch.randn(shape, device=device, generator=gen) * 1e-3 for _ in range(count)]
     params = []
-    for t, g in zip(locals_, grads):
+    for t, g in zip(locals_, grads if dtensors else []):
         p = torch.nn.Parameter(DTensor.from_local(t.clone(), mesh, [Shard(0)], run_check=False))
         p.grad = DTensor.from_local(g.clone(), mesh, [Shard(0)], run_check=False)
         params.append(p)
@@ -99,7 +117,8 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1.0, help="row multiplier per param")
     ap.add_argument("--count-scale", type=float, default=1.0, help="param count multiplier")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--no-triton", action="store_true", help="skip the triton_adam_step row")
     ap.add_argument("--sets", default=",".join(SHAPE_SETS))
     ap.add_argument("--modes", default="fused,foreach")
     ap.add_argument("--clip", type=float, default=1.0, help="OptimizerConfig.clip_grad (0: off)")
@@ -119,9 +138,6 @@ def main() -> None:
     bw = _copy_bandwidth(device, 256 * 2**20 if device.type == "cuda" else 64 * 2**20)
     print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}),"
           f" torch {torch.__version__}, copy bandwidth {bw / 1e9:.1f} GB/s")
-    header = (f"{'set':<22}{'mode':<9}{'bare(a) ms':>11}{'stock(b) ms':>12}{'wrap(c) ms':>11}"
-              f"{'floor ms':>10}{'b/a':>7}{'c/a':>7}{'c-a ms':>8}{'a/floor':>9}{'c/floor':>9}")
-    print(header)
     for set_name in args.sets.split(","):
         count, (rows, cols) = SHAPE_SETS[set_name]
         count = max(1, round(count * args.count_scale))
@@ -131,27 +147,32 @@ def main() -> None:
         label = f"{count}x{rows}x{cols}"
         for mode in args.modes.split(","):
             kw = {"lr": 1e-3, "weight_decay": 0.01, mode: True}
-            locals_, params = _make(count, (rows, cols), device, mesh, 0)
-            bare = torch.optim.AdamW(locals_, **kw)
-            t_a = _timer(device, bare.step, args.warmup, args.iters)
-            del bare, locals_
+            locals_, _ = _make(count, (rows, cols), device, mesh, 0, dtensors=False)
+            contenders = {"bare": torch.optim.AdamW(locals_, **kw).step}
             _, dparams = _make(count, (rows, cols), device, mesh, 1)
             stock = torch.optim.AdamW(dparams, **kw)
-            try:
-                t_b = _timer(device, stock.step, args.warmup, args.iters)
-            except NotImplementedError:
-                t_b = float("nan")
-            del stock, dparams
-            wrapper = FullyShardedOptimizer(torch.optim.AdamW(params, **kw),
-                                            OptimizerConfig(clip_grad=args.clip))
-            t_c = _timer(device, wrapper.step, args.warmup, args.iters)
-            folded, fast = wrapper.clip_folds, wrapper.fast_steps
+            contenders["stock"] = stock.step
+            wrappers = {}
+            for name, extra in (("wrap", {}), ("wrap+triton", {"triton_adam_step": True})):
+                if extra and (mode != "fused" or device.type != "cuda" or args.no_triton):
+                    continue
+                _, params = _make(count, (rows, cols), device, mesh, 2)
+                wrappers[name] = FullyShardedOptimizer(
+                    torch.optim.AdamW(params, **kw), OptimizerConfig(clip_grad=args.clip, **extra))
+                contenders[name] = wrappers[name].step
+            t = _interleaved(device, contenders, args.warmup, args.iters)
+            a = t["bare"]
+            cells = " ".join(f"{k} {t[k]:.2f} ms ({t[k] / a:.2f}x bare, {t[k] / floor_ms:.2f}x "
+                             f"floor)" for k in contenders)
+            notes = ", ".join(f"{k}: {w.fast_steps} fast steps, {w.clip_folds} clip folds"
+                              + (f", {w._triton.launches} triton launches" if w._triton else "")
+                              for k, w in wrappers.items())
+            print(f"{label} {mode}: floor {floor_ms:.2f} ms | {cells} | {notes}")
             if args.profile:
-                _profile(wrapper.step, f"{label} {mode}")
-            del wrapper, params
-            print(f"{label:<22}{mode:<9}{t_a:>11.2f}{t_b:>12.2f}{t_c:>11.2f}{floor_ms:>10.2f}"
-                  f"{t_b / t_a:>7.2f}{t_c / t_a:>7.2f}{t_c - t_a:>8.2f}{t_a / floor_ms:>9.2f}"
-                  f"{t_c / floor_ms:>9.2f}   fast steps {fast}, clip folds {folded}")
+                _profile(wrappers["wrap"].step, f"{label} {mode}")
+            del contenders, wrappers, stock, dparams, locals_
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     dist.destroy_process_group()
 
 

@@ -43,6 +43,7 @@ CATALOGUE = {
     "W13 state_dict()": ("NotImplementedError", "sharded_state_dict"),
     "W14 stats group misses ranks": ("ValueError", "misses ranks"),
     "W15 scaler state without scaler": ("ValueError", "has no grad_scaler"),
+    "W17 triton_adam_step not a bool": ("TypeError", "triton_adam_step must be True or False"),
     # grad scalers
     "G1 initial_scale 0": ("ValueError", "initial_scale must be a finite number > 0"),
     "G2 initial_scale inf": ("ValueError", "initial_scale must be a finite number > 0"),
@@ -262,6 +263,7 @@ def _cases(root):  # noqa: C901 - one flat list of small cases
             config=OptimizerConfig(grad_stats_group=pair)),
         "W15 scaler state without scaler": lambda: wrapper()[0].load_grad_scaler_state_dict(
             {"scale": 2.0}),
+        "W17 triton_adam_step not a bool": lambda: OptimizerConfig(triton_adam_step="yes"),
         "G1 initial_scale 0": lambda: DynamicGradScaler(0.0),
         "G2 initial_scale inf": lambda: ConstantGradScaler(math.inf),
         "G3 backoff_factor 1.5": lambda: DynamicGradScaler(backoff_factor=1.5),

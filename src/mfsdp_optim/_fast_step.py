@@ -232,20 +232,22 @@ class FastAdamStep:
                 gc.grads.clear()
 
     def step(self, optimizer: torch.optim.Optimizer, grad_devices: set[torch.device],
-             grad_scale: torch.Tensor | None = None) -> None:
+             grad_scale: torch.Tensor | None = None, triton: Any = None) -> None:
         """``Adam.step()`` on the cached lists and the collected grads; ``grad_devices``: the
         devices of all the work grads (the direct fused call needs them on the group's);
         ``grad_scale``: what ``Adam.step()`` would read from ``optimizer.grad_scale`` (fused
-        groups only; the wrapper's folded clip)."""
+        groups only; the wrapper's folded clip); ``triton``: the opt-in
+        :class:`~mfsdp_optim._triton_adam.TritonAdam` for direct fused groups, or None."""
         assert self._groups is not None
         optimizer._accelerator_graph_capture_health_check()
         with torch.no_grad():
             for gc in self._groups:
                 direct = gc.device is not None and all(d == gc.device for d in grad_devices)
-                self._step_group(gc, direct, grad_scale)
+                self._step_group(gc, direct, grad_scale, triton)
 
     @staticmethod
-    def _step_group(gc: _GroupCache, direct: bool, grad_scale: torch.Tensor | None) -> None:
+    def _step_group(gc: _GroupCache, direct: bool, grad_scale: torch.Tensor | None,
+                    triton: Any = None) -> None:
         group = gc.group
         grads = gc.grads
         params, exp_avgs, exp_avg_sqs = gc.params, gc.exp_avgs, gc.exp_avg_sqs
@@ -272,6 +274,9 @@ class FastAdamStep:
                 beta2 = beta2.squeeze()
             if torch.is_tensor(lr) and str(lr.device) != "cpu" and lr.device != device:
                 lr = lr.to(device=device, non_blocking=True)
+            if triton is not None and triton.step(group, params, grads, exp_avgs, exp_avg_sqs,
+                                                  steps, grad_scale):
+                return
             if grad_scale is not None:
                 grad_scale = grad_scale.to(device, non_blocking=True)
             torch._foreach_add_(steps, 1)

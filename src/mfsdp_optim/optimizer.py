@@ -78,6 +78,18 @@ the same up to the last bit of the clipped grad (``tests/test_optimizer_clip_fol
 folded: ``clip_grad_norm()`` (it returns with the grads clipped), a base optimizer whose
 ``grad_scale``/``found_inf`` someone else has set, precision-aware optimizers, and everything
 else. ``MFSDP_OPTIM_DISABLE_CLIP_FOLD=1`` turns folding off.
+``OptimizerConfig(triton_adam_step=True)`` goes one step further for fused ``Adam``/``AdamW``
+groups of large tensors on CUDA: this package's Triton kernel reads the divisor, applies it inside
+the update and stores no grads (28 bytes per element, as unclipped); there the grads keep their
+unclipped values after the step, and the update matches torch's kernel to float32 rounding, not
+bit for bit.
+
+**Steady-state prepare.** The prepare loop (bind each param's local grad to its alias, check dtype
+and placement, find its stats bucket) costs Python per param. When a step finds nothing to cast and
+every alias still is its param's local tensor, it records a plan (``_PreparePlan``); later steps
+whose grads carry the same placement specs and dtypes and whose params hold the same local tensors
+(checked list-wide, at C speed) replay it and skip the per-param loop. Any difference, in any
+param, falls back to the full loop, which records a new plan. ``prepare_replays`` counts replays.
 
 **Host synchronisation.** One per ``step()``: a single ``.tolist()`` of (found_inf, norm, zeros).
 With a grad scaler it happens before the base step (the skip decision needs it); without one it
@@ -131,6 +143,7 @@ from ._fast_step import FastAdamStep
 from ._params import ParamRecord
 from ._placement import mesh_ranks_outside_group
 from ._stats_math import check_norm_type
+from ._triton_adam import TritonAdam
 from .grad_scaler import GradScaler
 from .stats import (
     BucketKey,
@@ -169,6 +182,15 @@ class OptimizerConfig:
     precision_aware: the base optimizer takes grads whose dtype differs from the param's itself,
         so the wrapper does not cast them. None: detect (an ``mfsdp_precision_aware`` attribute
         on the optimizer, or TE FusedAdam with ``master_weights``/``use_decoupled_grad``).
+    triton_adam_step: step ``torch.optim.Adam``/``AdamW`` groups with ``fused=True`` on CUDA
+        through this package's Triton kernel (``mfsdp_optim._triton_adam``) instead of torch's:
+        the clip is applied inside the update and the grads are not written, 28 bytes per fp32
+        element instead of 32 (with clipping). Results are not bit-identical to torch's fused
+        kernel (float32 rounding differs; at least as accurate against float64), and the grads
+        keep their unclipped values after the step. Groups the kernel does not take (small
+        tensors, under 2**20 elements on average, where its host work costs more than it saves;
+        amsgrad, tensor lr, CPU, mixed dtypes, Triton missing) use torch's kernel as before.
+        Default off: bit-compatibility with torch's own fused step comes first.
     """
 
     clip_grad: float = 0.0
@@ -178,6 +200,7 @@ class OptimizerConfig:
     _: KW_ONLY
     filter_empty_shards: bool = False
     precision_aware: bool | None = None
+    triton_adam_step: bool = False
 
     def __post_init__(self) -> None:
         clip = float(self.clip_grad)
@@ -188,6 +211,11 @@ class OptimizerConfig:
             )
         self.clip_grad = clip
         self.norm_type = check_norm_type(self.norm_type)
+        if not isinstance(self.triton_adam_step, bool):
+            raise TypeError(
+                f"OptimizerConfig.triton_adam_step must be True or False, "
+                f"got {self.triton_adam_step!r}"
+            )
 
 
 _READY, _PREPARED, _STEPPED = "READY", "PREPARED", "STEPPED"
@@ -398,6 +426,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         self.fast_steps = 0  # steps that took the fast path (for tests and diagnostics)
         self.clip_folds = 0  # steps whose clip rode on the fused base step (likewise)
         self.prepare_replays = 0  # prepares that replayed the recorded plan (likewise)
+        self._triton = TritonAdam() if self.config.triton_adam_step else None
 
         fqns = _fqn_map(self.model_chunks)
         self._slots: list[_Slot] = []
@@ -711,7 +740,8 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         if self._fast_armed and not self._fast_stale and self._fast.ready(self):
             self._fast_armed = False
             try:
-                self._fast.step(self.optimizer, {k[0] for k in self._work_locals}, grad_divisor)
+                self._fast.step(self.optimizer, {k[0] for k in self._work_locals}, grad_divisor,
+                                self._triton)
                 self.fast_steps += 1
             finally:
                 self._restore_grads()

@@ -1,0 +1,311 @@
+"""Opt-in Triton step for fused Adam/AdamW groups (``OptimizerConfig(triton_adam_step=True)``).
+
+Why: with clipping on, torch's fused kernel can only take the clip as its ``grad_scale``, and then
+it stores every divided grad back (4 more bytes per fp32 element on top of the 28 the update
+moves). This kernel reads the clip divisor from device memory, applies it inside the update and
+does not write the grads: 28 bytes per element, one launch per (device, dtype) group, no host
+sync. The grads therefore keep their unclipped values after the step.
+
+Arithmetic follows ``torch._fused_adam_``/``_fused_adamw_`` (``aten/src/ATen/native/cuda/
+fused_adam_utils.cuh``): the same operations in the same order, the per-tensor scalars (bias
+corrections, step size, ``lr * weight_decay``) in float64, IEEE-rounded divisions and square
+roots; the elementwise update runs in float32. The two kernels round differently, so results are
+not bit-identical to torch's: they agree to a few float32 ulps where the update is
+well-conditioned and to a few hundred where it is not (second moments near ``eps**2``); against
+a float64 evaluation this kernel is at least as accurate as torch's (``tests/
+test_triton_adam.py``). Step counters are incremented by the kernel itself (the last program to
+finish adds 1 to every counter; every program computes with ``step + 1``), so there is no
+separate ``_foreach_add_`` launch.
+
+Layout: one int64 table per launch, built on the host from the tensors' addresses at every step
+(as torch's fused kernels read them at every call, so nothing goes stale when a storage is
+replaced) and uploaded through a pinned buffer without a sync: element offsets of params,
+exp_avg, exp_avg_sq and grads from the first tensor of each list, numels, cumulative
+``BLOCK``-item counts, step-counter offsets, and the hyperparameters as float64 bit patterns
+(Triton would pass Python floats as float32: ``1 - beta2`` would be off by 1e-5 relative).
+Program ``i`` of a persistent grid takes a contiguous run of items, finds its first tensor by
+binary search, then walks forward, as the stats kernel does.
+
+Not taken (torch's own fused kernel runs): groups of small tensors (fewer than 2**20 elements
+per tensor on average: there the host work per tensor costs more than the kernel saves),
+amsgrad, a tensor lr, non-contiguous or misaligned tensors, a dtype other than float32/
+bfloat16/float16, params/state/grads of different dtypes, CPU tensors, CUDA graph capture, ``torch.compile`` tracing, Triton missing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["TritonAdam"]
+
+# from benchmarks/bench_triton_adam.py --sweep on an H200 (benchmarks/RESULTS.md): 2048 x 8 warps
+# was within noise of the best on both shape sets and steady across programs per SM
+_BLOCK = 2048
+_NUM_WARPS = 8
+_PROGRAMS_PER_SM = 16
+# Below this mean number of elements per tensor the host work of the pointer table (about 1 us
+# per tensor on the device machine's host) outweighs the grad store the kernel saves (about
+# 1 ns per 1000 fp32 elements at 4 TB/s): torch's kernel runs instead.
+_MIN_MEAN_NUMEL = 1 << 20
+_REDUCE_BLOCK = 1024
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_state: dict[str, Any] = {"kernel": None, "failed": False}
+
+
+def _load() -> Any | None:
+    if _state["failed"]:
+        return None
+    if _state["kernel"] is None:
+        try:
+            import numpy  # noqa: F401  (host tables)
+            import triton  # noqa: F401
+
+            _state["kernel"] = _build()
+        except Exception:
+            _state["failed"] = True
+            return None
+    return _state["kernel"]
+
+
+def _build() -> Any:
+    import triton
+    import triton.language as tl
+
+    try:
+        from triton.language.extra import libdevice
+    except ImportError:  # older layouts
+        from triton.language.extra.cuda import libdevice  # type: ignore[no-redef]
+
+    @triton.jit(do_not_specialize=["n", "n_steps", "total_items", "items_per_prog", "num_progs"])
+    def _adam_kernel(
+        p_base, g_base, m_base, v_base, s_base,
+        table_ptr, goffs_ptr, soffs_ptr, hp_ptr,
+        n, n_steps, total_items, items_per_prog, num_progs,
+        divisor_ptr, ticket_ptr,
+        HAS_DIVISOR: tl.constexpr, ADAMW: tl.constexpr, MAXIMIZE: tl.constexpr,
+        BLOCK: tl.constexpr, ALIGN: tl.constexpr, REDUCE_BLOCK: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        begin = pid.to(tl.int64) * items_per_prog
+        end = tl.minimum(begin + items_per_prog, total_items)
+        # table: [p offs | m offs | v offs | step index | numel | cum items (n + 1)]
+        poffs = table_ptr
+        moffs = table_ptr + n
+        voffs = table_ptr + 2 * n
+        sidx = table_ptr + 3 * n
+        numels = table_ptr + 4 * n
+        cum = table_ptr + 5 * n
+
+        lr64 = tl.load(hp_ptr).to(tl.float64, bitcast=True)
+        b1 = tl.load(hp_ptr + 1).to(tl.float64, bitcast=True)
+        b2 = tl.load(hp_ptr + 2).to(tl.float64, bitcast=True)
+        eps64 = tl.load(hp_ptr + 3).to(tl.float64, bitcast=True)
+        wd = tl.load(hp_ptr + 4).to(tl.float64, bitcast=True)
+        # float32 copies of the hyperparameters for the elementwise math (the scalar products
+        # taken in float64 first, as the fused kernel takes them)
+        b1f = b1.to(tl.float32)
+        b2f = b2.to(tl.float32)
+        omb1 = (1.0 - b1).to(tl.float32)
+        omb2 = (1.0 - b2).to(tl.float32)
+        decay = (lr64 * wd).to(tl.float32)
+        wd32 = wd.to(tl.float32)
+        eps32 = eps64.to(tl.float32)
+        if HAS_DIVISOR:
+            divisor = tl.load(divisor_ptr)
+        lanes = tl.arange(0, BLOCK)
+
+        lo = tl.full([], 0, tl.int32)
+        hi = n - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            ok = tl.load(cum + mid) <= begin
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+        t = lo
+        seg_first = tl.load(cum + t)
+        seg_end = tl.load(cum + t + 1)
+
+        for it in range(begin, end):
+            if it >= seg_end:
+                t = t + 1
+                seg_first = seg_end
+                seg_end = tl.load(cum + t + 1)
+            numel = tl.load(numels + t)
+            step = tl.load(s_base + tl.load(soffs_ptr + tl.load(sidx + t))) + 1.0
+            # per tensor, as the fused kernel: bias corrections via float64 pow, kept as float32
+            bc1 = (1.0 - libdevice.pow(b1, step.to(tl.float64))).to(tl.float32)
+            step_size = (lr64 / bc1.to(tl.float64)).to(tl.float32)
+            bc2 = (1.0 - libdevice.pow(b2, step.to(tl.float64))).to(tl.float32)
+            bc2_sqrt = libdevice.sqrt_rn(bc2)
+
+            e0 = (it - seg_first) * BLOCK
+            po = tl.load(poffs + t) + e0
+            go = tl.load(goffs_ptr + t) + e0
+            mo = tl.load(moffs + t) + e0
+            vo = tl.load(voffs + t) + e0
+            if ALIGN > 1:
+                po = tl.multiple_of(po, ALIGN)
+                go = tl.multiple_of(go, ALIGN)
+                mo = tl.multiple_of(mo, ALIGN)
+                vo = tl.multiple_of(vo, ALIGN)
+            mask = (e0 + lanes) < numel
+            p = tl.load(p_base + po + lanes, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(g_base + go + lanes, mask=mask, other=0.0).to(tl.float32)
+            m = tl.load(m_base + mo + lanes, mask=mask, other=0.0).to(tl.float32)
+            v = tl.load(v_base + vo + lanes, mask=mask, other=0.0).to(tl.float32)
+            # elementwise math in float32 (float64 per element would make the kernel
+            # conversion-bound); divisions and square roots IEEE-rounded
+            if HAS_DIVISOR:
+                g = libdevice.div_rn(g, divisor)
+            if MAXIMIZE:
+                g = -g
+            if ADAMW:
+                p = p - decay * p
+            else:
+                g = g + p * wd32
+            m = b1f * m + omb1 * g
+            v = b2f * v + omb2 * g * g
+            denom = libdevice.div_rn(libdevice.sqrt_rn(v), bc2_sqrt) + eps32
+            p = p - libdevice.div_rn(step_size * m, denom)
+            tl.store(p_base + po + lanes, p.to(p_base.dtype.element_ty), mask=mask)
+            tl.store(m_base + mo + lanes, m.to(m_base.dtype.element_ty), mask=mask)
+            tl.store(v_base + vo + lanes, v.to(v_base.dtype.element_ty), mask=mask)
+
+        # the last program to finish advances every step counter (nobody reads them after it)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+        if ticket == num_progs - 1:
+            r = tl.arange(0, REDUCE_BLOCK)
+            for s0 in range(0, n_steps, REDUCE_BLOCK):
+                mk = (s0 + r) < n_steps
+                so = tl.load(soffs_ptr + s0 + r, mask=mk, other=0)
+                cur = tl.load(s_base + so, mask=mk, other=0.0, cache_modifier=".cg")
+                tl.store(s_base + so, cur + 1.0, mask=mk)
+            tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
+
+    globals().update(tl=tl, libdevice=libdevice)
+    return _adam_kernel
+
+
+def _offsets(tensors: list[torch.Tensor]) -> tuple[Any, bool] | None:
+    """Element offsets of ``tensors`` from the first one (numpy int64) and whether any address
+    is not 16-byte aligned; None if an offset is not a whole number of elements."""
+    import numpy as np
+
+    ptrs = np.fromiter(map(torch.Tensor.data_ptr, tensors), dtype=np.int64, count=len(tensors))
+    delta = ptrs - ptrs[0]
+    esize = tensors[0].element_size()
+    if (delta % esize).any():
+        return None
+    return delta // esize, bool((ptrs & 15).any())
+
+
+class TritonAdam:
+    """The opt-in kernel. Tables are rebuilt from the tensors' addresses at every step (as
+    torch's fused kernels read them at every call), so nothing goes stale when a tensor's
+    storage is replaced behind the optimizer's back."""
+
+    def __init__(self) -> None:
+        self._tickets: dict[int, torch.Tensor] = {}
+        self._sms: dict[int, int] = {}
+        self.launches = 0  # for tests and diagnostics
+
+    @staticmethod
+    def available() -> bool:
+        return torch.cuda.is_available() and torch.version.cuda is not None and _load() is not None
+
+    @staticmethod
+    def eligible(group: dict, params: list[torch.Tensor]) -> bool:
+        """Group-level conditions (tensor-level ones are checked at each step)."""
+        return (not group.get("amsgrad") and not torch.is_tensor(group["lr"])
+                and not any(torch.is_tensor(b) for b in group["betas"])
+                and bool(params) and params[0].device.type == "cuda"
+                and params[0].dtype in _DTYPES)
+
+    def step(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
+             exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
+             steps: list[torch.Tensor], divisor: torch.Tensor | None) -> bool:
+        """``_fused_adam(w)_`` for one group with the grads divided by ``divisor`` inside the
+        update; False (nothing done) when the kernel does not apply."""
+        import numpy as np
+
+        kernel = _load()
+        if (kernel is None or not self.eligible(group, params)
+                or torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling()):
+            return False
+        # the caller (the fast step) guarantees one CUDA device for everything, one dtype for
+        # params and state, float32 scalar step counters there; checked here: what it does not
+        p0 = params[0]
+        device, dtype = p0.device, p0.dtype
+        contiguous = torch.Tensor.is_contiguous
+        if not (all(map(contiguous, params)) and all(map(contiguous, grads))
+                and all(map(contiguous, exp_avgs)) and all(map(contiguous, exp_avg_sqs))):
+            return False
+        if {g.dtype for g in grads} != {dtype}:
+            return False
+        numels = np.fromiter(map(torch.Tensor.numel, params), dtype=np.int64, count=len(params))
+        if int(numels.sum()) < _MIN_MEAN_NUMEL * len(params):
+            return False
+        keep = np.flatnonzero(numels)
+        if keep.size == 0:  # only empty shards: nothing to update but the counters
+            torch._foreach_add_(steps, 1)
+            return True
+        if keep.size != len(params):
+            idx = keep.tolist()
+            params, grads = [params[i] for i in idx], [grads[i] for i in idx]
+            exp_avgs, exp_avg_sqs = [exp_avgs[i] for i in idx], [exp_avg_sqs[i] for i in idx]
+        parts = []
+        misaligned = False
+        for xs in (params, exp_avgs, exp_avg_sqs, grads):
+            r = _offsets(xs)
+            if r is None:
+                return False
+            parts.append(r[0])
+            misaligned |= r[1]
+        s_offs = _offsets(steps)
+        if s_offs is None:
+            return False
+        n = int(keep.size)
+        cum = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum((numels[keep] + (_BLOCK - 1)) // _BLOCK, out=cum[1:])
+        beta1, beta2 = group["betas"]
+        hp = np.array([group["lr"], beta1, beta2, group["eps"], group["weight_decay"]],
+                      dtype=np.float64).view(np.int64)
+        # [p | m | v | step index | numel | cum (n + 1) | grad offs (n) | step offs | hparams]
+        table = np.concatenate([parts[0], parts[1], parts[2], keep.astype(np.int64),
+                                numels[keep], cum, parts[3], s_offs[0], hp])
+        host = torch.empty(table.shape[0], dtype=torch.int64, pin_memory=True)
+        host.numpy()[:] = table
+        dev_table = host.to(device, non_blocking=True)
+        total_items = int(cum[-1])
+        sms = self._sms.get(device.index)  # type: ignore[arg-type]
+        if sms is None:
+            sms = self._sms[device.index] = (  # type: ignore[index]
+                torch.cuda.get_device_properties(device).multi_processor_count)
+        per_prog = -(-total_items // min(total_items, sms * _PROGRAMS_PER_SM))
+        num_progs = -(-total_items // per_prog)
+        ticket = self._tickets.get(device.index)  # type: ignore[arg-type]
+        if ticket is None:
+            ticket = self._tickets[device.index] = torch.zeros(  # type: ignore[index]
+                1, dtype=torch.int32, device=device)
+        if divisor is not None:
+            divisor = divisor.to(device=device, dtype=torch.float32, non_blocking=True)
+        goffs = dev_table[6 * n + 1:7 * n + 1]
+        soffs = dev_table[7 * n + 1:7 * n + 1 + len(steps)]
+        hparams = dev_table[7 * n + 1 + len(steps):]
+        with torch.cuda.device(device):
+            kernel[(num_progs,)](
+                params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], steps[0],
+                dev_table, goffs, soffs, hparams,
+                n, len(steps), total_items, per_prog, num_progs,
+                divisor if divisor is not None else steps[0], ticket,
+                HAS_DIVISOR=divisor is not None, ADAMW=bool(group["decoupled_weight_decay"]),
+                MAXIMIZE=bool(group["maximize"]), BLOCK=_BLOCK,
+                ALIGN=1 if misaligned else 16 // p0.element_size(),
+                REDUCE_BLOCK=_REDUCE_BLOCK, num_warps=_NUM_WARPS,
+            )
+        self.launches += 1
+        return True

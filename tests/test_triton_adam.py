@@ -1,0 +1,271 @@
+"""The opt-in Triton Adam/AdamW step (``OptimizerConfig(triton_adam_step=True)``), on CUDA.
+
+References: torch's own fused kernel (``torch._fused_adam_``/``_fused_adamw_``) on copies of the
+same tensors, with the same clip divisor passed as its ``grad_scale``, and an independent float64
+evaluation of the Adam update. The two float32 kernels round differently (FMA contraction,
+float32 vs float64 bias corrections), so where the update is ill-conditioned (tiny second
+moments) they agree only to a few hundred ulps; the float64 reference then decides that the
+Triton kernel is at least as accurate as torch's. Step counters must match exactly and the grads
+must be left untouched. Skipped without a CUDA device (the CI
+machine has none); run on the device machine, see benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+SHAPES = [(1000, 33), (0, 8), (5,), (2048,), (3, 1025), (1,), (4097,)]
+
+
+def _lists(dtype, seed, shapes=SHAPES, offset=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def make(scale=1.0, positive=False):
+        out = []
+        for s in shapes:
+            numel = 1
+            for d in s:
+                numel *= d
+            flat = torch.randn(numel + offset, generator=gen) * scale
+            if positive:
+                flat = flat.abs()
+            out.append(flat.to("cuda", dtype)[offset:].view(s))
+        return out
+
+    params, grads = make(), make(3.0)
+    m, v = make(0.1), make(0.01, positive=True)
+    steps = [torch.tensor(float(seed % 5), device="cuda") for _ in shapes]
+    return params, grads, m, v, steps
+
+
+def _clone(xs):
+    return [x.clone() for x in xs]
+
+
+def _group(adamw, maximize, wd):
+    return dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd, amsgrad=False,
+                maximize=maximize, decoupled_weight_decay=adamw)
+
+
+def _adam_fp64(group, p, g, m, v, step, divisor):
+    """One Adam/AdamW step in float64 on copies; returns the new param."""
+    p, g, m, v = (x.double() for x in (p, g, m, v))
+    beta1, beta2 = group["betas"]
+    if divisor is not None:
+        g = g / float(divisor)
+    if group["maximize"]:
+        g = -g
+    if group["decoupled_weight_decay"]:
+        p = p * (1 - group["lr"] * group["weight_decay"])
+    else:
+        g = g + group["weight_decay"] * p
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g * g
+    bc1, bc2 = 1 - beta1**step, 1 - beta2**step
+    return p - group["lr"] / bc1 * m / (v.sqrt() / bc2**0.5 + group["eps"])
+
+
+@pytest.fixture(autouse=True)
+def _small_tensors_too(monkeypatch):
+    """The kernel declines groups of small tensors (host cost); these tests use small ones."""
+    from mfsdp_optim import _triton_adam
+
+    monkeypatch.setattr(_triton_adam, "_MIN_MEAN_NUMEL", 0)
+
+
+CASES = list(itertools.product((torch.float32, torch.bfloat16), (True, False), (False, True),
+                               (0.0, 0.1), (False, True)))
+
+
+@cuda
+@pytest.mark.parametrize("dtype,adamw,maximize,wd,with_divisor", CASES)
+def test_matches_torch_fused(dtype, adamw, maximize, wd, with_divisor):
+    from mfsdp_optim._triton_adam import TritonAdam
+
+    tri = TritonAdam()
+    group = _group(adamw, maximize, wd)
+    p, g, m, v, s = _lists(dtype, 1)
+    rp, rg, rm, rv, rs = _clone(p), _clone(g), _clone(m), _clone(v), _clone(s)
+    g_before = _clone(g)
+    fn = torch._fused_adamw_ if adamw else torch._fused_adam_
+
+    def torch_step(divisor):
+        torch._foreach_add_(rs, 1)
+        fn(rp, _clone(rg), rm, rv, [], rs, amsgrad=False, lr=group["lr"], beta1=0.9,
+           beta2=0.999, weight_decay=wd, eps=1e-8, maximize=maximize, grad_scale=divisor,
+           found_inf=None)
+
+    for step in range(3):
+        divisor = torch.tensor(2.5 + step, device="cuda") if with_divisor else None
+        assert tri.step(group, p, g, m, v, s, divisor)
+        torch_step(divisor)
+    tol = dict(rtol=5e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3)
+    for i in range(len(SHAPES)):
+        torch.testing.assert_close(p[i], rp[i], **tol, msg=lambda x, i=i: f"param {i}: {x}")
+        torch.testing.assert_close(m[i], rm[i], **tol, msg=lambda x, i=i: f"exp_avg {i}: {x}")
+        torch.testing.assert_close(v[i], rv[i], **tol, msg=lambda x, i=i: f"exp_avg_sq {i}: {x}")
+        assert torch.equal(g[i], g_before[i]), "grads must not be written"
+        assert torch.equal(s[i], rs[i]), "step counters"
+    if dtype != torch.float32:
+        return
+    # One more step from identical inputs: each kernel's error against float64.
+    for dst, src in ((rp, p), (rm, m), (rv, v)):
+        torch._foreach_copy_(dst, src)
+    divisor = torch.tensor(7.0, device="cuda") if with_divisor else None
+    ref = [_adam_fp64(group, p[i], g[i], m[i], v[i], float(s[i]) + 1, divisor)
+           for i in range(len(SHAPES))]
+    assert tri.step(group, p, g, m, v, s, divisor)
+    torch_step(divisor)
+    for i in range(len(SHAPES)):
+        if not p[i].numel():
+            continue
+        err_tri = (p[i].double() - ref[i]).abs().max().item()
+        err_torch = (rp[i].double() - ref[i]).abs().max().item()
+        ulp = torch.finfo(torch.float32).eps * ref[i].abs().max().item()
+        assert err_tri <= 2 * err_torch + 4 * ulp, (i, err_tri, err_torch)
+
+
+@cuda
+def test_misaligned_and_many_tensors():
+    from mfsdp_optim._triton_adam import TritonAdam
+
+    tri = TritonAdam()
+    group = _group(True, False, 0.1)
+    shapes = [(7, 3)] * 3000 + [(513,)] * 20
+    p, g, m, v, s = _lists(torch.float32, 2, shapes, offset=1)  # 4-byte misaligned storage
+    rp, rm, rv, rs = _clone(p), _clone(m), _clone(v), _clone(s)
+    assert tri.step(group, p, g, m, v, s, None)
+    torch._foreach_add_(rs, 1)
+    torch._fused_adamw_(rp, _clone(g), rm, rv, [], rs, amsgrad=False, lr=1e-2, beta1=0.9,
+                        beta2=0.999, weight_decay=0.1, eps=1e-8, maximize=False,
+                        grad_scale=None, found_inf=None)
+    torch.testing.assert_close(torch.cat([x.flatten() for x in p]),
+                               torch.cat([x.flatten() for x in rp]), rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(s, rs))
+
+
+@cuda
+def test_declines_what_it_does_not_take():
+    from mfsdp_optim._triton_adam import TritonAdam
+
+    tri = TritonAdam()
+    p, g, m, v, s = _lists(torch.float32, 3)
+    group = _group(True, False, 0.0)
+    assert not tri.step(dict(group, amsgrad=True), p, g, m, v, s, None)
+    assert not tri.step(dict(group, lr=torch.tensor(0.01)), p, g, m, v, s, None)
+    g_t = [x.t() if x.dim() == 2 else x for x in g]  # non-contiguous grads
+    assert not tri.step(group, p, g_t, m, v, s, None)
+    cpu = [x.cpu() for x in p]
+    assert not tri.step(group, cpu, [x.cpu() for x in g], [x.cpu() for x in m],
+                        [x.cpu() for x in v], [x.cpu() for x in s], None)
+    assert tri.launches == 0
+
+
+def _rank_wrapper(triton: bool):
+    """4 clipped AdamW steps through the wrapper on a CUDA mesh vs torch's clip + fused step."""
+    from mfsdp_optim import _triton_adam
+
+    old_min = _triton_adam._MIN_MEAN_NUMEL
+    _triton_adam._MIN_MEAN_NUMEL = 0  # small test tensors
+    try:
+        return _wrapper_run(triton)
+    finally:
+        _triton_adam._MIN_MEAN_NUMEL = old_min
+
+
+def _wrapper_run(triton: bool):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
+
+    mesh = init_device_mesh("cuda", (1,))
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=gen).cuda() for s in SHAPES]
+    params = [torch.nn.Parameter(DTensor.from_local(t.clone(), mesh, [Shard(0)],
+                                                    run_check=False)) for t in init]
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    kw = dict(lr=1e-2, weight_decay=0.1, fused=True)
+    opt = FullyShardedOptimizer(torch.optim.AdamW(params, **kw),
+                                OptimizerConfig(clip_grad=0.5, triton_adam_step=triton))
+    ref_opt = torch.optim.AdamW(ref, **kw)
+    for step in range(4):
+        g_gen = torch.Generator().manual_seed(10 + step)
+        grads = [torch.randn(s, generator=g_gen).cuda() for s in SHAPES]
+        for p, q, g in zip(params, ref, grads):
+            p.grad = DTensor.from_local(g.clone(), mesh, [Shard(0)], run_check=False)
+            q.grad = g.clone()
+        ok, norm, _ = opt.step()
+        ref_norm = float(torch.nn.utils.clip_grad_norm_(ref, 0.5))
+        ref_opt.step()
+        assert ok and abs(norm - ref_norm) <= 1e-5 * ref_norm
+        if triton and step > 0:  # the first step creates the state on the generic path
+            for p, g in zip(params, grads):
+                assert torch.equal(p.grad._local_tensor, g), "grads stay unclipped"
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for p, q in zip(params, ref):
+        torch.testing.assert_close(p._local_tensor, q.detach(), rtol=1e-5, atol=1e-6)
+        st, rst = opt.optimizer.state[p._local_tensor], ref_opt.state[q]
+        for k in rst:
+            torch.testing.assert_close(st[k], rst[k], rtol=1e-5, atol=1e-6)
+    return opt._triton.launches if opt._triton is not None else 0, opt.fast_steps
+
+
+@cuda
+@pytest.mark.parametrize("triton", [True, False], ids=["triton", "torch-kernel"])
+def test_wrapper_with_triton_step(ranks, triton):
+    ((launches, fast_steps),) = ranks(1).run(_rank_wrapper, triton, timeout=300)
+    assert fast_steps == 3
+    assert launches == (3 if triton else 0)
+
+
+def _rank_cpu(triton: bool):
+    """On CPU the option changes nothing: torch's fused kernel runs, bit for bit."""
+    from _layouts import get_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
+
+    mesh = get_mesh((1,))
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(DTensor.from_local(torch.randn(s, generator=gen), mesh,
+                                                    [Shard(0)], run_check=False))
+              for s in SHAPES]
+    opt = FullyShardedOptimizer(torch.optim.AdamW(params, lr=1e-2, fused=True),
+                                OptimizerConfig(clip_grad=0.5, triton_adam_step=triton))
+    for step in range(3):
+        g_gen = torch.Generator().manual_seed(10 + step)
+        for p in params:
+            p.grad = DTensor.from_local(torch.randn(p.shape, generator=g_gen), mesh,
+                                        [Shard(0)], run_check=False)
+        opt.step()
+        opt.zero_grad()
+    launches = opt._triton.launches if opt._triton is not None else 0
+    return [p._local_tensor.clone() for p in params], launches
+
+
+def test_option_is_inert_on_cpu(ranks):
+    ((with_opt, launches),) = ranks(1).run(_rank_cpu, True)
+    ((without, _),) = ranks(1).run(_rank_cpu, False)
+    assert launches == 0
+    assert all(torch.equal(a, b) for a, b in zip(with_opt, without))
+
+
+@cuda
+def test_declines_small_tensors_by_default(monkeypatch):
+    from mfsdp_optim import _triton_adam
+
+    monkeypatch.undo()  # the default threshold
+    tri = _triton_adam.TritonAdam()
+    p, g, m, v, s = _lists(torch.float32, 4)  # about 5000 elements per tensor on average
+    assert not tri.step(_group(True, False, 0.0), p, g, m, v, s, None)
+    big = [torch.zeros(1 << 20, device="cuda") for _ in range(4)]
+    steps = [torch.zeros((), device="cuda") for _ in range(4)]
+    assert tri.step(_group(True, False, 0.0), big, [b.clone() for b in big],
+                    [b.clone() for b in big], [b.clone() for b in big], steps, None)
