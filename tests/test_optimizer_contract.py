@@ -338,3 +338,74 @@ def test_bad_configs_and_stage_errors(ranks):
             got = errs[key]
             assert got is not None, f"{key}: no error on rank {r}"
             assert got[0] == kind and re.search(pattern, got[1]), (key, r, got)
+
+
+def _rank_add_param_group():
+    import torch.distributed as dist
+    from _layouts import get_mesh
+
+    from mfsdp_optim.optimizer import FullyShardedOptimizer
+
+    mesh = get_mesh((dist.get_world_size(),))
+    first, second, outsider = _model(0), _model(1), _model(2)
+    ref_first, ref_second = _model(0), _model(1)
+    for m in (first, second, outsider):
+        _shard(m, mesh)
+    errors = {}
+
+    def refused(key, opt, group):
+        """add_param_group must raise and leave groups, state and names as they were."""
+        groups_before = [list(g["params"]) for g in opt.param_groups]
+        names_before = [s.fqn for s in opt._slots]
+        try:
+            opt.add_param_group(group)
+        except Exception as exc:  # noqa: BLE001 - the test inspects type and message
+            errors[key] = (type(exc).__name__, str(exc))
+        else:
+            errors[key] = None
+        assert [list(g["params"]) for g in opt.param_groups] == groups_before, key
+        assert [s.fqn for s in opt._slots] == names_before, key
+
+    # without model_chunks, params are named by position over all groups: no collisions
+    opt = FullyShardedOptimizer(torch.optim.Adam(first.parameters(), lr=1e-2))
+    opt.add_param_group({"params": list(second.parameters()), "lr": 2e-2})
+    names = [s.fqn for s in opt._slots]
+    refused("again", opt, {"params": [next(second.parameters())]})
+    refused("plain", opt, {"params": [torch.nn.Parameter(torch.ones(2))]})
+    # with model_chunks, a param from outside them is refused before anything changes
+    chunked = FullyShardedOptimizer(torch.optim.Adam(first.parameters(), lr=1e-2),
+                                    model_chunks=[first])
+    refused("outside", chunked, {"params": list(outsider.parameters())})
+
+    # the optimizer still trains both groups like the plain one
+    ref = torch.optim.Adam(ref_first.parameters(), lr=1e-2)
+    ref.add_param_group({"params": list(ref_second.parameters()), "lr": 2e-2})
+    for step in range(3):
+        for models, o in (((first, second), opt), ((ref_first, ref_second), ref)):
+            o.zero_grad()
+            # every rank sees the same batch, so FSDP's averaged grads equal the plain ones
+            sum(m(_batch(step)).pow(2).mean() for m in models).backward()
+            o.step()
+    same = all(
+        torch.allclose(p.full_tensor(), q, rtol=1e-5, atol=1e-6)
+        for p, q in zip([*first.parameters(), *second.parameters()],
+                        [*ref_first.parameters(), *ref_second.parameters()])
+    )
+    return names, errors, same
+
+
+def test_add_param_group_names_and_refusals(ranks):
+    import re
+
+    for names, errors, same in ranks(2).run(_rank_add_param_group):
+        assert len(set(names)) == len(names) == 12, names
+        assert names[6] == "param_groups.1.params.0", names
+        expect = {
+            "again": ("ValueError", r"already holds the parameter 'param_groups\.1\.params\.0'"),
+            "plain": ("TypeError", r"param_groups\[2\]\['params'\]\[0\] is a Parameter"),
+            "outside": ("ValueError", r"missing from model_chunks: param_groups\[1\]"),
+        }
+        for key, (kind, pattern) in expect.items():
+            got = errors[key]
+            assert got is not None and got[0] == kind and re.search(pattern, got[1]), (key, got)
+        assert same, "training after refused add_param_group calls differs from torch"

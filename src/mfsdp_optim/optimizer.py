@@ -428,44 +428,30 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         self.prepare_replays = 0  # prepares that replayed the recorded plan (likewise)
         self._triton = TritonAdam() if self.config.triton_adam_step else None
 
-        fqns = _fqn_map(self.model_chunks)
         self._slots: list[_Slot] = []
-        self._adopt_groups(optimizer.param_groups, fqns)
-        self._check_stats_group()
+        self._in_stats_group = True
+        self._adopt_groups(optimizer.param_groups, _fqn_map(self.model_chunks), first_index=0)
 
     # ------------------------------------------------------------------------------------------
     # construction
 
-    def _adopt_groups(self, groups: list[dict], fqns: dict[int, str]) -> None:
-        """Validate every param of ``groups`` and swap it for its local alias (or filter it)."""
+    def _adopt_groups(self, groups: list[dict], fqns: dict[int, str], first_index: int) -> None:
+        """Validate every param of ``groups`` and swap it for its local alias (or filter it).
+
+        ``groups`` are ``optimizer.param_groups[first_index:]``. Everything is checked before
+        anything changes: on an error the groups, the optimizer state and the slot table are as
+        they were.
+        """
+        named = self._name_new_params(groups, fqns, first_index)
+        self._check_stats_group(named)
         self._fast_version += 1
-        missing: list[str] = []
-        for g, group in enumerate(groups):
-            for j, p in enumerate(group["params"]):
-                if not isinstance(p, DTensor):
-                    raise TypeError(
-                        f"param_groups[{g}]['params'][{j}] is a {type(p).__name__}, expected a "
-                        "DTensor: FullyShardedOptimizer wraps optimizers over FSDP2 (fully_shard) "
-                        "params. Build the optimizer after fully_shard(model), from "
-                        "model.parameters()."
-                    )
-                if self.model_chunks and id(p) not in fqns:
-                    missing.append(
-                        f"param_groups[{g}]['params'][{j}] (shape {tuple(p.shape)}, "
-                        f"mesh dims {p.device_mesh.mesh_dim_names})"
-                    )
-        if missing:
-            raise ValueError(
-                f"{len(missing)} optimizer params are missing from model_chunks: "
-                f"{'; '.join(missing)}. Pass every module whose parameters the optimizer "
-                "updates in model_chunks (FQNs come from their named_parameters())."
-            )
         state = self.optimizer.state
         filt = self.config.filter_empty_shards
-        for g, group in enumerate(groups):
+        names = iter(named)
+        for group in groups:
             kept: list[torch.Tensor] = []
-            for j, p in enumerate(group["params"]):
-                fqn = fqns.get(id(p), f"param_groups.{g}.params.{j}")
+            for p in group["params"]:
+                fqn, _ = next(names)
                 local = p._local_tensor
                 if filt and local.numel() == 0:
                     state.pop(p, None)
@@ -480,17 +466,63 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
                 kept.append(local)
                 self._slots.append(_Slot(fqn, p, local, group))
             group["params"] = kept
-        fqn_list = [s.fqn for s in self._slots]
-        if len(set(fqn_list)) != len(fqn_list):
-            dup = sorted({f for f in fqn_list if fqn_list.count(f) > 1})
-            raise ValueError(f"the optimizer holds the same parameter twice: {dup}")
 
-    def _check_stats_group(self) -> None:
+    def _name_new_params(
+        self, groups: list[dict], fqns: dict[int, str], first_index: int
+    ) -> list[tuple[str, DTensor]]:
+        """``(fqn, param)`` for every param of ``groups``, in order; raises on bad params.
+
+        A param without a model_chunks FQN (no model_chunks given) is named by its position,
+        ``param_groups.<g>.params.<j>``, with ``g`` counted over all groups of the optimizer.
+        """
+        missing: list[str] = []
+        named: list[tuple[str, DTensor]] = []
+        for g, group in enumerate(groups, start=first_index):
+            for j, p in enumerate(group["params"]):
+                if not isinstance(p, DTensor):
+                    raise TypeError(
+                        f"param_groups[{g}]['params'][{j}] is a {type(p).__name__}, expected a "
+                        "DTensor: FullyShardedOptimizer wraps optimizers over FSDP2 (fully_shard) "
+                        "params. Build the optimizer after fully_shard(model), from "
+                        "model.parameters()."
+                    )
+                if self.model_chunks and id(p) not in fqns:
+                    missing.append(
+                        f"param_groups[{g}]['params'][{j}] (shape {tuple(p.shape)}, "
+                        f"mesh dims {p.device_mesh.mesh_dim_names})"
+                    )
+                named.append((fqns.get(id(p), f"param_groups.{g}.params.{j}"), p))
+        if missing:
+            raise ValueError(
+                f"{len(missing)} optimizer params are missing from model_chunks: "
+                f"{'; '.join(missing)}. Pass every module whose parameters the optimizer "
+                "updates in model_chunks (FQNs come from their named_parameters())."
+            )
+        held = {id(s.param): s.fqn for s in self._slots}
+        names = set(held.values())
+        for fqn, p in named:
+            if id(p) in held:
+                raise ValueError(
+                    f"the optimizer already holds the parameter {held[id(p)]!r}; a parameter "
+                    f"can be in one param group only (got it again as {fqn!r})."
+                )
+            if fqn in names:
+                raise ValueError(
+                    f"the optimizer holds two parameters named {fqn!r}: names key the "
+                    "checkpoint, so they must be unique. Pass model_chunks so that params are "
+                    "named by their FQNs."
+                )
+            held[id(p)] = fqn
+            names.add(fqn)
+        return named
+
+    def _check_stats_group(self, new: list[tuple[str, DTensor]]) -> None:
+        """Every rank holding a shard of a new param must be in the grad-stats group."""
         group = self.config.grad_stats_group
-        self._in_stats_group = dist.get_rank(group) >= 0 if group is not None else True
+        in_group = dist.get_rank(group) >= 0 if group is not None else True
         seen: set[int] = set()
-        for s in self._slots:
-            mesh = s.param.device_mesh
+        for fqn, p in new:
+            mesh = p.device_mesh
             if id(mesh) in seen:
                 continue
             seen.add(id(mesh))
@@ -498,23 +530,31 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
             if outside:
                 raise ValueError(
                     f"OptimizerConfig.grad_stats_group misses ranks {outside} that hold shards "
-                    f"of {s.fqn!r} (mesh {mesh}); their grads would be left out of the norm and "
+                    f"of {fqn!r} (mesh {mesh}); their grads would be left out of the norm and "
                     "the overflow check. Use a group that spans every rank holding grads "
                     "(default: WORLD)."
                 )
-        if self._slots and not self._in_stats_group:
+        if (new or self._slots) and not in_group:
             raise ValueError(
                 f"rank {dist.get_rank()} holds params but is not in "
                 "OptimizerConfig.grad_stats_group; every rank holding grads must be in it."
             )
+        self._in_stats_group = in_group
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group of DTensor params; the base optimizer gets their local aliases."""
+        """Add a group of DTensor params; the base optimizer gets their local aliases.
+
+        Validated like the constructor's groups; on an error nothing is added.
+        """
         before = len(self.optimizer.param_groups)
         self.optimizer.add_param_group(param_group)
-        added = self.optimizer.param_groups[before:]
-        self._adopt_groups(added, _fqn_map(self.model_chunks))
-        self._check_stats_group()
+        try:
+            self._adopt_groups(
+                self.optimizer.param_groups[before:], _fqn_map(self.model_chunks), before
+            )
+        except Exception:
+            del self.optimizer.param_groups[before:]
+            raise
 
     # ------------------------------------------------------------------------------------------
     # torch.optim.Optimizer surface
