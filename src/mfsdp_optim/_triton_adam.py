@@ -230,11 +230,15 @@ class TritonAdam:
              steps: list[torch.Tensor], divisor: torch.Tensor | None) -> bool:
         """``_fused_adam(w)_`` for one group with the grads divided by ``divisor`` inside the
         update; False (nothing done) when the kernel does not apply."""
-        import numpy as np
-
-        kernel = _load()
+        kernel = _load()  # None without Triton or numpy
         if (kernel is None or not self.eligible(group, params)
                 or torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling()):
+            return False
+        import numpy as np
+        # the size test first: it is the one that declines many-small-tensor groups, every step,
+        # so it must cost little (one numel per param, not four checks per tensor)
+        numels = np.fromiter(map(torch.Tensor.numel, params), dtype=np.int64, count=len(params))
+        if int(numels.sum()) < _MIN_MEAN_NUMEL * len(params):
             return False
         # the caller (the fast step) guarantees one CUDA device for everything, one dtype for
         # params and state, float32 scalar step counters there; checked here: what it does not
@@ -245,9 +249,6 @@ class TritonAdam:
                 and all(map(contiguous, exp_avgs)) and all(map(contiguous, exp_avg_sqs))):
             return False
         if {g.dtype for g in grads} != {dtype}:
-            return False
-        numels = np.fromiter(map(torch.Tensor.numel, params), dtype=np.int64, count=len(params))
-        if int(numels.sum()) < _MIN_MEAN_NUMEL * len(params):
             return False
         keep = np.flatnonzero(numels)
         if keep.size == 0:  # only empty shards: nothing to update but the counters
