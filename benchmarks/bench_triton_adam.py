@@ -20,33 +20,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 
 import torch
+from bench_step import _copy_bandwidth, _interleaved  # the same timing as the wrapper's bench
 
 SETS = {"300x4096x1024": (300, (4096, 1024)), "3000x512x256": (3000, (512, 256))}
-
-
-def _once(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end)
-
-
-def _rounds(fns: dict, iters: int) -> dict:
-    for fn in fns.values():
-        for _ in range(3):
-            fn()
-    names = list(fns)
-    out: dict[str, list[float]] = {k: [] for k in names}
-    for r in range(iters):
-        for k in names[r % len(names):] + names[:r % len(names)]:
-            out[k].append(_once(fns[k]))
-    return {k: statistics.median(v) for k, v in out.items()}
 
 
 def main() -> None:
@@ -58,7 +36,7 @@ def main() -> None:
     from mfsdp_optim import _triton_adam as ta
 
     dev = torch.device("cuda")
-    bw = _bandwidth(dev)
+    bw = _copy_bandwidth(dev, 2**28)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy {bw / 1e9:.0f} GB/s")
     # Time the kernel on every set, including the small-tensor one the wrapper declines to it.
     ta._MIN_MEAN_NUMEL = 0
@@ -68,13 +46,6 @@ def main() -> None:
     for name, (count, shape) in SETS.items():
         _run_set(name, count, shape, dev, bw, configs, args.iters)
         torch.cuda.empty_cache()
-
-
-def _bandwidth(dev: torch.device) -> float:
-    src = torch.empty(2**26, device=dev).uniform_()
-    dst = torch.empty_like(src)
-    ms = statistics.median(_once(lambda: dst.copy_(src)) for _ in range(10))
-    return 2 * src.numel() * 4 / (ms / 1e3)
 
 
 def _run_set(name, count, shape, dev, bw, configs, iters) -> None:
@@ -102,13 +73,14 @@ def _run_set(name, count, shape, dev, bw, configs, iters) -> None:
     def triton_step():
         assert tri.step(group, p, g, m, v, steps, divisor)
 
-    base = _rounds({"torch": torch_step, "torch+clip": lambda: torch_step(divisor)}, iters)
+    base = _interleaved(dev, {"torch": torch_step, "torch+clip": lambda: torch_step(divisor)}, 3,
+                        iters)
     print(f"{name}: floor {floor:.2f} ms | torch {base['torch']:.2f} ms "
           f"({base['torch'] / floor:.2f}x floor) | torch+clip {base['torch+clip']:.2f} ms "
           f"({base['torch+clip'] / floor:.2f}x)")
     for block, warps, progs in configs:
         ta._BLOCK, ta._NUM_WARPS, ta._PROGRAMS_PER_SM = block, warps, progs
-        t = _rounds({"triton": triton_step, "torch": torch_step}, iters)
+        t = _interleaved(dev, {"triton": triton_step, "torch": torch_step}, 3, iters)
         print(f"  triton+clip BLOCK={block} warps={warps} progs/SM={progs}: "
               f"{t['triton']:.2f} ms ({t['triton'] / floor:.2f}x floor, "
               f"{t['triton'] / t['torch']:.2f}x torch)")
