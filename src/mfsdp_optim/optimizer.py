@@ -429,7 +429,8 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         self._triton = TritonAdam() if self.config.triton_adam_step else None
 
         self._slots: list[_Slot] = []
-        self._in_stats_group = True
+        group = self.config.grad_stats_group
+        self._in_stats_group = dist.get_rank(group) >= 0 if group is not None else True
         self._adopt_groups(optimizer.param_groups, _fqn_map(self.model_chunks), first_index=0)
 
     # ------------------------------------------------------------------------------------------
@@ -519,7 +520,6 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
     def _check_stats_group(self, new: list[tuple[str, DTensor]]) -> None:
         """Every rank holding a shard of a new param must be in the grad-stats group."""
         group = self.config.grad_stats_group
-        in_group = dist.get_rank(group) >= 0 if group is not None else True
         seen: set[int] = set()
         for fqn, p in new:
             mesh = p.device_mesh
@@ -534,12 +534,11 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
                     "the overflow check. Use a group that spans every rank holding grads "
                     "(default: WORLD)."
                 )
-        if (new or self._slots) and not in_group:
+        if (new or self._slots) and not self._in_stats_group:
             raise ValueError(
                 f"rank {dist.get_rank()} holds params but is not in "
                 "OptimizerConfig.grad_stats_group; every rank holding grads must be in it."
             )
-        self._in_stats_group = in_group
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of DTensor params; the base optimizer gets their local aliases.
