@@ -96,6 +96,31 @@ def fused_available(device: torch.device | str | None = None) -> bool:
     return _load_triton() is not None
 
 
+def _device_helpers() -> dict[str, Any]:
+    """Triton device functions shared with the other kernels of the package (built once, after
+    Triton imported)."""
+    helpers = _state.get("helpers")
+    if helpers is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def first_tensor(cum_ptr, n, item):
+            # The tensor that holds work item ``item``: the largest t with cum[t] <= item, where
+            # cum (n + 1 entries) counts the items of the tensors before t.
+            lo = tl.full([], 0, tl.int32)
+            hi = n - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                ok = tl.load(cum_ptr + mid) <= item
+                lo = tl.where(ok, mid, lo)
+                hi = tl.where(ok, hi, mid - 1)
+            return lo
+
+        helpers = _state["helpers"] = {"first_tensor": first_tensor}
+    return helpers
+
+
 def _build_kernel() -> Any:
     import triton
     import triton.language as tl
@@ -104,6 +129,8 @@ def _build_kernel() -> Any:
         from triton.language.extra import libdevice
     except ImportError:  # older layouts
         from triton.language.extra.cuda import libdevice  # type: ignore[no-redef]
+
+    first_tensor = _device_helpers()["first_tensor"]
 
     @triton.jit
     def _max_nan(a, b):
@@ -181,15 +208,7 @@ def _build_kernel() -> Any:
         cum_tab = table_ptr + 2 * n
         p = tl.load(table_ptr + 3 * n + 1).to(tl.float64, bitcast=True)
 
-        # first tensor: the largest t with cum[t] <= begin
-        lo = tl.full([], 0, tl.int32)
-        hi = n - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            ok = tl.load(cum_tab + mid) <= begin
-            lo = tl.where(ok, mid, lo)
-            hi = tl.where(ok, hi, mid - 1)
-        t = lo
+        t = first_tensor(cum_tab, n, begin)
         seg_first = tl.load(cum_tab + t)
         seg_end = tl.load(cum_tab + t + 1)
         off = tl.load(offs_tab + t)
@@ -318,12 +337,17 @@ def _workspace(device: torch.device, stream: int, n: int, num_progs: int) -> dic
     return ws
 
 
-def _programs(kernel_key: tuple, device: torch.device) -> int:
+def _sm_count_of(device: torch.device) -> int:
+    """The device's SM count (cached: the property query costs microseconds)."""
     sms = _sm_count.get(device.index)  # type: ignore[arg-type]
     if sms is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         _sm_count[device.index] = sms  # type: ignore[index]
-    return sms * _programs_per_sm.get(kernel_key, _DEFAULT_PROGRAMS_PER_SM)
+    return sms
+
+
+def _programs(kernel_key: tuple, device: torch.device) -> int:
+    return _sm_count_of(device) * _programs_per_sm.get(kernel_key, _DEFAULT_PROGRAMS_PER_SM)
 
 
 def _learn_occupancy(kernel_key: tuple, compiled: Any, device: torch.device) -> None:
@@ -343,6 +367,23 @@ def _learn_occupancy(kernel_key: tuple, compiled: Any, device: torch.device) -> 
         _programs_per_sm[kernel_key] = _DEFAULT_PROGRAMS_PER_SM
 
 
+def _upload(table: Any, device: torch.device) -> torch.Tensor:
+    """An int64 host table on the device, through a pinned staging copy, without a sync."""
+    host = torch.empty(table.shape[0], dtype=torch.int64, pin_memory=True)
+    host.numpy()[:] = table
+    return host.to(device, non_blocking=True)
+
+
+def _element_offsets(ptrs: Any, esize: int) -> tuple[Any, bool] | None:
+    """Offsets in elements of the addresses ``ptrs`` (numpy int64) from the first one, and
+    whether every address is 16-byte aligned; None if an offset is not a whole number of
+    elements (the kernels address every tensor from the first one's pointer)."""
+    delta = ptrs - ptrs[0]
+    if (delta % esize).any():
+        return None
+    return delta // esize, not (ptrs & 15).any()
+
+
 def _device_table(table: Any, device: torch.device, stream: int, key: tuple) -> torch.Tensor:
     """The table on the device: a pinned staging copy and a non-blocking upload, or the device
     copy of an identical table from an earlier call (same tensors at the same addresses)."""
@@ -353,9 +394,7 @@ def _device_table(table: Any, device: torch.device, stream: int, key: tuple) -> 
         if hit is not None and np.array_equal(hit[0], table):
             _table_cache.move_to_end(key)
             return hit[1]
-    host = torch.empty(table.shape[0], dtype=torch.int64, pin_memory=True)
-    host.numpy()[:] = table
-    dev_table = host.to(device, non_blocking=True)
+    dev_table = _upload(table, device)
     if TABLE_CACHE_ENABLED:
         _table_cache[key] = (table, dev_table)
         _table_cache.move_to_end(key)
@@ -409,14 +448,15 @@ def _plan(
         first = tensors[int(keep[0])]
     n = int(ptrs.shape[0])
     esize = first.element_size()
-    delta = ptrs - ptrs[0]
-    if (delta % esize).any():
+    located = _element_offsets(ptrs, esize)
+    if located is None:
         return None
-    align = 16 // esize if not (ptrs & 15).any() else 1
+    offsets, aligned = located
+    align = 16 // esize if aligned else 1
 
     items = (numels + (_BLOCK - 1)) // _BLOCK
     table = np.empty(3 * n + 2, dtype=np.int64)
-    table[:n] = delta // esize
+    table[:n] = offsets
     table[n : 2 * n] = numels
     table[2 * n] = 0
     np.cumsum(items, out=table[2 * n + 1 : 3 * n + 1])

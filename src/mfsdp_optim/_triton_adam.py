@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from ._fused import _device_helpers, _element_offsets, _sm_count_of, _upload
+
 __all__ = ["TritonAdam"]
 
 # from benchmarks/bench_triton_adam.py --sweep on an H200 (benchmarks/RESULTS.md): 2048 x 8 warps
@@ -79,6 +81,8 @@ def _build() -> Any:
     except ImportError:  # older layouts
         from triton.language.extra.cuda import libdevice  # type: ignore[no-redef]
 
+    first_tensor = _device_helpers()["first_tensor"]
+
     @triton.jit(do_not_specialize=["n", "n_steps", "total_items", "items_per_prog", "num_progs"])
     def _adam_kernel(
         p_base, g_base, m_base, v_base, s_base,
@@ -117,14 +121,7 @@ def _build() -> Any:
             divisor = tl.load(divisor_ptr)
         lanes = tl.arange(0, BLOCK)
 
-        lo = tl.full([], 0, tl.int32)
-        hi = n - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            ok = tl.load(cum + mid) <= begin
-            lo = tl.where(ok, mid, lo)
-            hi = tl.where(ok, hi, mid - 1)
-        t = lo
+        t = first_tensor(cum, n, begin)
         seg_first = tl.load(cum + t)
         seg_end = tl.load(cum + t + 1)
 
@@ -191,16 +188,12 @@ def _build() -> Any:
 
 
 def _offsets(tensors: list[torch.Tensor]) -> tuple[Any, bool] | None:
-    """Element offsets of ``tensors`` from the first one (numpy int64) and whether any address
-    is not 16-byte aligned; None if an offset is not a whole number of elements."""
+    """``_fused._element_offsets`` of the tensors' addresses: element offsets from the first
+    tensor and whether all are 16-byte aligned, or None."""
     import numpy as np
 
     ptrs = np.fromiter(map(torch.Tensor.data_ptr, tensors), dtype=np.int64, count=len(tensors))
-    delta = ptrs - ptrs[0]
-    esize = tensors[0].element_size()
-    if (delta % esize).any():
-        return None
-    return delta // esize, bool((ptrs & 15).any())
+    return _element_offsets(ptrs, tensors[0].element_size())
 
 
 class TritonAdam:
@@ -210,7 +203,6 @@ class TritonAdam:
 
     def __init__(self) -> None:
         self._tickets: dict[int, torch.Tensor] = {}
-        self._sms: dict[int, int] = {}
         self.launches = 0  # for tests and diagnostics
 
     @staticmethod
@@ -259,13 +251,13 @@ class TritonAdam:
             params, grads = [params[i] for i in idx], [grads[i] for i in idx]
             exp_avgs, exp_avg_sqs = [exp_avgs[i] for i in idx], [exp_avg_sqs[i] for i in idx]
         parts = []
-        misaligned = False
+        aligned = True
         for xs in (params, exp_avgs, exp_avg_sqs, grads):
             r = _offsets(xs)
             if r is None:
                 return False
             parts.append(r[0])
-            misaligned |= r[1]
+            aligned &= r[1]
         s_offs = _offsets(steps)
         if s_offs is None:
             return False
@@ -278,15 +270,9 @@ class TritonAdam:
         # [p | m | v | step index | numel | cum (n + 1) | grad offs (n) | step offs | hparams]
         table = np.concatenate([parts[0], parts[1], parts[2], keep.astype(np.int64),
                                 numels[keep], cum, parts[3], s_offs[0], hp])
-        host = torch.empty(table.shape[0], dtype=torch.int64, pin_memory=True)
-        host.numpy()[:] = table
-        dev_table = host.to(device, non_blocking=True)
+        dev_table = _upload(table, device)
         total_items = int(cum[-1])
-        sms = self._sms.get(device.index)  # type: ignore[arg-type]
-        if sms is None:
-            sms = self._sms[device.index] = (  # type: ignore[index]
-                torch.cuda.get_device_properties(device).multi_processor_count)
-        per_prog = -(-total_items // min(total_items, sms * _PROGRAMS_PER_SM))
+        per_prog = -(-total_items // min(total_items, _sm_count_of(device) * _PROGRAMS_PER_SM))
         num_progs = -(-total_items // per_prog)
         ticket = self._tickets.get(device.index)  # type: ignore[arg-type]
         if ticket is None:
@@ -305,7 +291,7 @@ class TritonAdam:
                 divisor if divisor is not None else steps[0], ticket,
                 HAS_DIVISOR=divisor is not None, ADAMW=bool(group["decoupled_weight_decay"]),
                 MAXIMIZE=bool(group["maximize"]), BLOCK=_BLOCK,
-                ALIGN=1 if misaligned else 16 // p0.element_size(),
+                ALIGN=16 // p0.element_size() if aligned else 1,
                 REDUCE_BLOCK=_REDUCE_BLOCK, num_warps=_NUM_WARPS,
             )
         self.launches += 1
