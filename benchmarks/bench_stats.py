@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor, Shard
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 import mfsdp_optim  # noqa: E402
-from mfsdp_optim import _fused, stats  # noqa: E402
+from mfsdp_optim import _buckets, _fused  # noqa: E402
 
 SETS = [("300x4096x1024", 300, (4096, 1024)), ("3000x512x256", 3000, (512, 256))]
 
@@ -205,17 +205,17 @@ def run_set(name, count, shape, device, mesh, bw, args) -> dict:
             prof.enable()
             for _ in range(20):
                 _fused.shard_contribution(locals_, **kw)
-                stats._bucket_local_shards(grads, None)
+                _buckets.bucket_local_shards(grads, None)
             prof.disable()
             _sync(device)
             print(
-                f"\n# host profile, {name}: 20 x (fused bucket call + stats._bucket_local_shards)"
+                f"\n# host profile, {name}: 20 x (fused bucket call + _buckets.bucket_local_shards)"
             )
             pstats.Stats(prof).sort_stats("tottime").print_stats(14)
         diag["fused programs"] = plan.num_progs
         diag["fused programs per SM"] = _fused._programs_per_sm.get(plan.kernel_key, -1)
-    diag["host: stats._bucket_local_shards"] = host_ms(
-        lambda: stats._bucket_local_shards(grads, None), device
+    diag["host: _buckets.bucket_local_shards"] = host_ms(
+        lambda: _buckets.bucket_local_shards(grads, None), device
     )
     diag["host: grad_stats"] = host_ms(lambda: mfsdp_optim.grad_stats(grads), device)
 

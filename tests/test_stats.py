@@ -91,10 +91,17 @@ def _rank_clip(specs, max_norm):
     grads = [build_grad(s) for s in specs]
     before = [g.full_tensor().double() for g in grads]
     norm = get_grad_norm(grads)
+    # torch's convention: parameters in, their .grad scaled, their values untouched
+    params = [torch.nn.Parameter(torch.full_like(g, 3.0)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g
+    frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)  # no grad: skipped
     with count_collectives() as counts:
-        clip_grads_with_norm_(grads, max_norm, norm)
+        clip_grads_with_norm_([*params, frozen], max_norm, norm)
     assert not counts, counts
-    after = [g.full_tensor().double() for g in grads]
+    assert all(bool((p._local_tensor == 3.0).all()) for p in params), "a weight was scaled"
+    assert bool((frozen == 1.0).all())
+    after = [p.grad.full_tensor().double() for p in params]
     return float(norm), before, after
 
 

@@ -12,6 +12,15 @@ from .stats import (
     grad_stats,
 )
 
+def __getattr__(name: str):
+    # ``mfsdp_optim.checkpoint`` without importing the checkpoint layer (and DCP) at import time
+    if name == "checkpoint":
+        import importlib
+
+        return importlib.import_module(".checkpoint", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "__version__",
     "ConstantGradScaler",

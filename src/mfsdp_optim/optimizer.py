@@ -139,22 +139,18 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim import optimizer as _torch_optim_module
 
+from ._buckets import BucketKey, layout_of
+from ._clip import check_max_norm
+from ._clip import clip_divisor as clip_grad_divisor
+from ._clip import scale_by_clip_coef_ as scale_locals_by_clip_coef_
 from ._fast_step import FastAdamStep
 from ._params import ParamRecord
 from ._placement import mesh_ranks_outside_group
+from ._reduce import GradStats, reduce_buckets
 from ._stats_math import check_norm_type
 from ._triton_adam import TritonAdam
 from .grad_scaler import GradScaler
-from .stats import (
-    BucketKey,
-    GradStats,
-    clip_grad_divisor,
-    clip_grads_with_norm_,
-    grad_stats,
-    layout_of,
-    reduce_buckets,
-    scale_locals_by_clip_coef_,
-)
+from .stats import grad_stats
 
 __all__ = ["FullyShardedOptimizer", "OptimizerConfig"]
 
@@ -717,8 +713,12 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
 
         self._work_locals = {}
         if self._in_stats_group:
+            try:
+                buckets: Any = bucket_work_grads()
+            except (TypeError, ValueError) as exc:
+                buckets = exc  # joins the collective, then raises
             stats = reduce_buckets(
-                bucket_work_grads,
+                buckets,
                 norm_type=self.config.norm_type,
                 count_zeros=self.config.log_num_zeros_in_grad,
                 group=group,
@@ -893,7 +893,11 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         """Clip the current grads to ``max_norm`` globally; returns the pre-clip norm."""
         grads = self._current_grads()
         norm = self._stats_of(grads, False).total_norm
-        clip_grads_with_norm_(grads, max_norm, norm)
+        by_key: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        for g in grads:
+            local = g._local_tensor
+            by_key[(local.device, local.dtype)].append(local)
+        scale_locals_by_clip_coef_(by_key, check_max_norm(max_norm), norm)
         return float(norm)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
