@@ -12,6 +12,7 @@ from .stats import (
     grad_stats,
 )
 
+
 def __getattr__(name: str):
     # ``mfsdp_optim.checkpoint`` without importing the checkpoint layer (and DCP) at import time
     if name == "checkpoint":
