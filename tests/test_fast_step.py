@@ -24,7 +24,7 @@ CLASSES = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 @contextlib.contextmanager
 def _generic():
     """Force the generic path while the block runs."""
-    from mfsdp_optim._fast_step import DISABLE_ENV
+    from mfsdp_optim._dispatch import DISABLE_FAST_STEP_ENV as DISABLE_ENV
 
     old = os.environ.get(DISABLE_ENV)
     os.environ[DISABLE_ENV] = "1"
@@ -197,17 +197,18 @@ def _rank_when_taken():
     out["pre_hooked"] = train(opt, p, start=6) - out["unhooked"]
     pre.remove()
 
-    # a global optimizer hook: generic
+    # a global optimizer hook fires once per wrapper step (around it), so the fast path stays
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     p = _dparams(0)
     opt = FullyShardedOptimizer(torch.optim.Adam(p, lr=0.01, foreach=True))
-    h = register_optimizer_step_post_hook(lambda *a: None)
+    global_calls = []
+    h = register_optimizer_step_post_hook(lambda o, *a: global_calls.append(type(o).__name__))
     try:
-        out["global_hook"] = train(opt, p)
+        out["global_hook"] = (train(opt, p), global_calls)
     finally:
         h.remove()
-    out["global_removed"] = train(opt, p, start=3)
+    out["global_removed"] = train(opt, p, start=3) - out["global_hook"][0]
 
     # the wrapper's own hooks do not matter (they run around the wrapper's step)
     p = _dparams(0)
@@ -270,7 +271,8 @@ def test_when_fast_path_is_taken(ranks):
     assert out["hooked"] == 0 and out["hook_calls"] == 3
     assert out["unhooked"] == 3  # the state exists already: every step is fast
     assert out["pre_hooked"] == 0
-    assert out["global_hook"] == 0 and out["global_removed"] == 3
+    assert out["global_hook"] == (2, ["FullyShardedOptimizer"] * 3)  # step 1 creates state
+    assert out["global_removed"] == 3
     assert out["own_hook"] == (2, 3)
     assert out["default_impl"] == 0 and out["sgd"] == 0
     assert out["env_disabled"] == 0
@@ -319,15 +321,17 @@ def _rank_invalidation():
     both(3)
     out["start"] = a.fast_steps  # 2: the first step creates the state
 
-    # FSDP2 replaces a local tensor (as load_state_dict(assign=True) does): re-bind, then fast
+    # FSDP2 replaces a local tensor (as load_state_dict(assign=True) does): the fast cache sees
+    # it and is rebuilt before the step, which stays fast
     for params in (p, q):
         old = params[0]._local_tensor
         params[0]._local_tensor = old.clone()
     both(1)
-    out["after_replace_step"] = a.fast_steps  # that step re-binds on the generic path
+    out["after_replace_step"] = a.fast_steps
     both(2)
     out["after_replace"] = a.fast_steps
-    assert a.param_groups[0]["params"][0] is p[0]._local_tensor
+    assert a.param_groups[0]["params"][0] is p[0]  # transparent: the user's DTensor
+    assert a._fast._groups[0].params[0] is p[0]._local_tensor
 
     # add_param_group: the new params have no state yet (generic once), then fast again
     a.add_param_group({"params": extra_a, "lr": 0.02})
@@ -346,7 +350,7 @@ def _rank_invalidation():
     both(2)
     out["after_load"] = a.fast_steps - before  # 2: the new state is complete
     # the cache follows the new state objects (an update into the old ones would not show)
-    assert all(t is a.state[x]["exp_avg"] for x, t in
+    assert all(t is a.state[x]["exp_avg"]._local_tensor for x, t in
                zip(a.param_groups[0]["params"], a._fast._groups[0].exp_avgs))
 
     # amsgrad switched off for a group: rebuilt without max_exp_avg_sq lists
@@ -361,7 +365,7 @@ def _rank_invalidation():
 def test_cache_invalidation(ranks):
     (out,) = ranks(1).run(_rank_invalidation)
     assert out["start"] == 2
-    assert out["after_replace_step"] == 2 and out["after_replace"] == 4
+    assert out["after_replace_step"] == 3 and out["after_replace"] == 5
     assert out["after_add_group"] == 2
     assert out["after_load"] == 2
     assert out["after_amsgrad_off"] == 2

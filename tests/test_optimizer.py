@@ -60,12 +60,15 @@ def _shard(model: torch.nn.Module, mesh) -> None:
 
 
 def _full_state(opt_state: dict, param) -> dict:
-    """An alias's optimizer state as global tensors (same layout as its DTensor param)."""
+    """A param's optimizer state as global tensors (stock: DTensors in the param's layout)."""
     from torch.distributed.tensor import DTensor
 
     out = {}
     for k, v in opt_state.items():
-        if torch.is_tensor(v) and v.shape == param._local_tensor.shape and v.dim() > 0:
+        if isinstance(v, DTensor):
+            assert v.device_mesh == param.device_mesh and v.placements == param.placements, k
+            v = v.full_tensor()
+        elif torch.is_tensor(v) and v.shape == param._local_tensor.shape and v.dim() > 0:
             v = DTensor.from_local(v, param.device_mesh, param.placements, run_check=False,
                                    shape=param.shape, stride=param.stride()).full_tensor()
         out[k] = v
@@ -134,18 +137,18 @@ def _train_and_compare(mesh, opt_name, *, steps=4, clip=0.05, fused=False, filte
         torch.testing.assert_close(rec.param.full_tensor(), ref_params[rec.fqn].detach(),
                                    atol=1e-6, rtol=1e-5, msg=lambda m, rec=rec: f"{rec.fqn}: {m}")
         ref_state = ref_opt.state[ref_params[rec.fqn]]
+        # transparent: the base optimizer's groups hold the model's DTensors, filtered or not
+        assert any(p is rec.param for g in opt.param_groups for p in g["params"])
         if rec.opt_param is None:
             assert filter_empty and rec.param._local_tensor.numel() == 0
-            assert not any(p is rec.param._local_tensor for g in opt.param_groups
-                           for p in g["params"])
-            assert rec.param._local_tensor not in opt.state
+            assert rec.param not in opt.state
             # an empty placeholder keeps the full_tensor() collectives rank-consistent
             local_state = {k: (torch.empty_like(rec.param._local_tensor)
                                if torch.is_tensor(v) and v.dim() > 0 else v)
                            for k, v in ref_state.items()}
         else:
-            assert rec.opt_param is rec.param._local_tensor
-            local_state = opt.state[rec.opt_param]
+            assert rec.opt_param is rec.param
+            local_state = opt.state[rec.param]
             n_state += 1
         _compare_state(rec.fqn, _full_state(local_state, rec.param), ref_state, atol=1e-6)
     return norms, n_state

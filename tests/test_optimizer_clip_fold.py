@@ -49,11 +49,8 @@ def _wrapped(cls, kw, fold: bool, bf16: bool, steps: int, device: str):
     returned norms, folds taken)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from mfsdp_optim.optimizer import (
-        DISABLE_CLIP_FOLD_ENV,
-        FullyShardedOptimizer,
-        OptimizerConfig,
-    )
+    from mfsdp_optim import FullyShardedOptimizer, OptimizerConfig
+    from mfsdp_optim._dispatch import DISABLE_CLIP_FOLD_ENV
 
     mesh = _mesh(device)
     gen = torch.Generator().manual_seed(0)
@@ -81,8 +78,9 @@ def _wrapped(cls, kw, fold: bool, bf16: bool, steps: int, device: str):
         os.environ.pop(DISABLE_CLIP_FOLD_ENV, None)
         if old is not None:
             os.environ[DISABLE_CLIP_FOLD_ENV] = old
-    state = [{k: v.clone() for k, v in opt.optimizer.state[p._local_tensor].items()}
-             for p in params]
+    # the base optimizer keeps stock state: keyed by the DTensor params, DTensor values
+    state = [{k: (v._local_tensor if isinstance(v, DTensor) else v).clone()
+              for k, v in opt.optimizer.state[p].items()} for p in params]
     return [p._local_tensor.clone() for p in params], grads, state, norms, opt.clip_folds
 
 

@@ -1,4 +1,4 @@
-"""The wrapper's steady-state prepare (``optimizer._PreparePlan``): replayed only while nothing
+"""The wrapper's steady-state prepare (``_prepare.PreparePlan``): replayed only while nothing
 the full prepare loop checks has changed, and the same results either way.
 
 One world-size-1 gloo rank. The grads reuse one spec object per param from step to step, as
@@ -27,8 +27,8 @@ SCRIPT = [
     ("plain", False),
     ("fresh-spec-1", False),  # a new spec object: full loop (validates it), records the plan
     ("plain", True),  # the new spec is kept from here on
-    ("swap-local-3", False),  # FSDP2 replaced a local tensor: full loop, the step rebinds
-    ("plain", False),  # no plan was recorded over a stale alias: full loop, records it
+    ("swap-local-3", False),  # FSDP2 replaced a local tensor: full loop, records the plan
+    ("plain", True),  # over the new local tensor (the base optimizer holds the DTensor)
     ("plain", True),
     ("new-group", False),  # add_param_group: the slot table changed
     ("plain", True),

@@ -40,7 +40,7 @@ CATALOGUE = {
     "W10 NaN lr at construction": ("ValueError", "Invalid learning rate"),
     "W11 prepare_grads twice": ("RuntimeError", "already called"),
     "W12 step_with_ready_grads first": ("RuntimeError", "call prepare_grads() first"),
-    "W13 state_dict()": ("NotImplementedError", "sharded_state_dict"),
+    "W13 state_dict() with filter_empty_shards": ("NotImplementedError", "sharded_state_dict"),
     "W14 stats group misses ranks": ("ValueError", "misses ranks"),
     "W15 scaler state without scaler": ("ValueError", "has no grad_scaler"),
     "W17 triton_adam_step not a bool": ("TypeError", "triton_adam_step must be True or False"),
@@ -258,7 +258,8 @@ def _cases(root):  # noqa: C901 - one flat list of small cases
         "W10 NaN lr at construction": lambda: wrapper(lr=math.nan),
         "W11 prepare_grads twice": lambda: _twice(wrapper, mesh),
         "W12 step_with_ready_grads first": lambda: wrapper()[0].step_with_ready_grads(),
-        "W13 state_dict()": lambda: wrapper()[0].state_dict(),
+        "W13 state_dict() with filter_empty_shards": lambda: wrapper(
+            config=OptimizerConfig(filter_empty_shards=True))[0].state_dict(),
         "W14 stats group misses ranks": lambda: wrapper(
             config=OptimizerConfig(grad_stats_group=pair)),
         "W15 scaler state without scaler": lambda: wrapper()[0].load_grad_scaler_state_dict(

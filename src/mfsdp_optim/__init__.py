@@ -1,8 +1,9 @@
 """mfsdp_optim: make any torch.optim optimizer a correct and fast citizen of FSDP2 training."""
 
+from ._config import OptimizerConfig
 from ._version import __version__
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, GradScaler
-from .optimizer import FullyShardedOptimizer, OptimizerConfig
+from .optimizer import FullyShardedOptimizer
 from .stats import (
     GradStats,
     clip_grads_with_norm_,

@@ -1,55 +1,45 @@
-"""The fast step of :class:`~mfsdp_optim.optimizer.FullyShardedOptimizer` for torch's own
-``Adam``/``AdamW`` with ``fused=True`` or ``foreach=True``.
+"""The Adam/AdamW fast step: torch's own multi-tensor kernels on cached local-tensor lists.
 
-The generic step binds ``alias.grad`` for every param, calls ``optimizer.step()`` (whose
-``_init_group`` reads every grad and state entry back one param at a time) and unbinds: a few
-microseconds of Python per param. Here the wrapper calls what ``Adam.step()`` itself calls, with
-lists it keeps across steps:
+The generic step shows the base optimizer local shards and calls its ``step()``, whose
+``_init_group`` reads every grad and state entry back one param at a time. For torch's own
+``Adam``/``AdamW`` with ``fused=True`` or ``foreach=True`` (see ``_dispatch.Route``) the wrapper
+calls instead what ``Adam.step()`` calls after ``_init_group``, with lists it keeps:
 
 * fused groups whose params, state and grads share one (device, dtype), no complex params:
-  ``torch._foreach_add_(steps, 1)`` then ``torch._fused_adam_``/``torch._fused_adamw_``, the
-  body of ``torch.optim.adam._fused_adam`` for its single (device, dtype) bucket;
-* every other eligible group (foreach, or fused with several devices/dtypes): the functional
-  ``torch.optim.adam.adam(...)`` with the arguments ``Adam.step()`` passes it.
+  ``torch._foreach_add_(steps, 1)`` then ``torch._fused_adam_``/``torch._fused_adamw_``;
+* every other eligible group: the functional ``torch.optim.adam.adam(...)`` with the arguments
+  ``Adam.step()`` passes it.
 
-Per group the cache holds the aliases (``group["params"]`` order) and the state lists (exp_avg,
-exp_avg_sq, max_exp_avg_sq, step). The grads come from the wrapper's prepare loop, which appends
-each param's local work grad to its group's list (``_Slot.fast_list``) in slot order, the order of
-``group["params"]``. Params without a grad this step are left out of the lists, as
-``_init_group`` leaves them out.
+Same kernels, same tensors, same argument values: bit-identical to the base step. Per group the
+cache holds the local shards of the params (``group["params"]`` order) and of their state
+(exp_avg, exp_avg_sq, max_exp_avg_sq, step), which ``optimizer.state`` keeps as DTensors; the
+kernels update them in place. The wrapper's prepare loop appends each param's local work grad to
+its group's list (``Slot.fast_list``); params without a grad are left out, as ``_init_group``
+leaves them out.
 
-The cache is valid while the wrapper's ``_fast_version`` (bumped on alias re-binding,
-``add_param_group``, ``load_state_dict``, ``sharded_state_dict`` and ``param_groups`` assignment)
-is unchanged, the base optimizer's ``state`` is the same mapping object of the same size,
-``param_groups`` holds the same group dicts with the same ``params`` list objects of the same
-length, and each group's ``amsgrad`` is unchanged. Replacing a single entry of ``optimizer.state``
-in place by hand (``state[p] = {...}`` for an existing ``p``) is not seen; call
-``FullyShardedOptimizer._invalidate_fast_step()`` after doing so.
+The cache is valid while the slot table is unchanged, ``optimizer.state`` is the same mapping of
+the same size, ``param_groups`` holds the same group dicts with the same ``params`` lists, each
+group's ``amsgrad`` is unchanged, and every param still has the local tensor it was built with.
+Replacing a single value inside ``optimizer.state[p]`` by hand is not seen: call
+``FullyShardedOptimizer.invalidate_caches()`` after doing so.
 """
 
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING, Any
+from operator import is_ as _is
+from typing import Any
 
 import torch
-from torch.optim import optimizer as _torch_optim_module
+from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam as _functional_adam
 
-if TYPE_CHECKING:
-    from .optimizer import FullyShardedOptimizer
+from ._slots import Slot, SlotTable
 
-__all__ = ["DISABLE_ENV", "FastAdamStep"]
-
-DISABLE_ENV = "MFSDP_OPTIM_DISABLE_FAST_STEP"
-_TYPES = (torch.optim.Adam, torch.optim.AdamW)
+__all__ = ["FastAdamStep", "group_eligible"]
 
 
-def _disabled() -> bool:
-    return os.environ.get(DISABLE_ENV, "") == "1"
-
-
-def _group_eligible(group: dict[str, Any]) -> bool:
+def group_eligible(group: dict[str, Any]) -> bool:
+    """A param group the fast step can take (type and hook checks are ``_dispatch``'s)."""
     if group.get("capturable", False) or group.get("differentiable", False):
         return False
     if group.get("fused"):
@@ -58,18 +48,23 @@ def _group_eligible(group: dict[str, Any]) -> bool:
     return group.get("foreach") is True and not torch.is_tensor(group.get("lr"))
 
 
+def _local(value: Any) -> Any:
+    return value._local_tensor if isinstance(value, DTensor) else value
+
+
 class _GroupCache:
-    __slots__ = ("group", "params_list", "n", "amsgrad", "slots", "params", "exp_avgs",
-                 "exp_avg_sqs", "max_exp_avg_sqs", "steps", "has_complex", "device",
+    __slots__ = ("group", "params_list", "n", "amsgrad", "slots", "dparams", "params",
+                 "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps", "has_complex", "device",
                  "grads")
 
     def __init__(self, group: dict[str, Any]):
         self.group = group
         self.params_list = group["params"]
-        self.n = len(self.params_list)
+        self.n = 0  # params the fast step takes in this group (held on this rank)
         self.amsgrad = bool(group["amsgrad"])
-        self.slots: list[Any] = []
-        self.params: list[torch.Tensor] = []
+        self.slots: list[Slot] = []
+        self.dparams: list[DTensor] = []
+        self.params: list[torch.Tensor] = []  # their local shards, at build time
         self.exp_avgs: list[torch.Tensor] = []
         self.exp_avg_sqs: list[torch.Tensor] = []
         self.max_exp_avg_sqs: list[torch.Tensor] = []
@@ -86,111 +81,81 @@ class FastAdamStep:
 
     def __init__(self) -> None:
         self._groups: list[_GroupCache] | None = None
-        self._version = -1
+        self._table_version = -1
         self._state: object = None
         self._state_len = -1
         self._param_groups: object = None
         self._failed: tuple | None = None  # (version, id(state), len(state)) of a failed build
 
-    # -----------------------------------------------------------------------------------------
-    # eligibility
+    @property
+    def token(self) -> object:
+        """Identifies the current cache (the prepare plan indexes its grad lists by it)."""
+        return self._groups
 
-    @staticmethod
-    def _static_ok(w: FullyShardedOptimizer) -> bool:
-        """Everything but the cache: optimizer type, group flags, hooks, grad handling."""
-        opt = w.optimizer
-        if type(opt) not in _TYPES or _disabled():
-            return False
-        if w._precision_aware or w._decoupled_grad:
-            return False
-        if (opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks
-                or _torch_optim_module._global_optimizer_pre_hooks
-                or _torch_optim_module._global_optimizer_post_hooks):
-            return False
-        # an instance-level step (an lr scheduler's counter, a user's patch) must run
-        if "step" in vars(opt):
-            return False
-        # set by torch.amp.GradScaler for optimizers that take the scale themselves
-        if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
-            return False
-        return all(_group_eligible(g) for g in opt.param_groups)
-
-    def _cache_ok(self, w: FullyShardedOptimizer) -> bool:
+    def _cache_ok(self, optimizer: torch.optim.Optimizer, table: SlotTable) -> bool:
         groups = self._groups
-        if groups is None or self._version != w._fast_version:
+        if groups is None or self._table_version != table.version:
             return False
-        opt = w.optimizer
-        state = opt.state
+        state = optimizer.state
         if state is not self._state or len(state) != self._state_len:
             return False
-        pgs = opt.param_groups
+        pgs = optimizer.param_groups
         if pgs is not self._param_groups or len(pgs) != len(groups):
             return False
         for gc, group in zip(groups, pgs):
             if (group is not gc.group or group["params"] is not gc.params_list
-                    or len(gc.params_list) != gc.n or bool(group["amsgrad"]) != gc.amsgrad):
+                    or bool(group["amsgrad"]) != gc.amsgrad):
                 return False
         return True
+
+    def _locals_ok(self) -> bool:
+        """Every param still has the local tensor the cache holds (FSDP2 may replace it)."""
+        assert self._groups is not None
+        return all(all(map(_is, [p._local_tensor for p in gc.dparams], gc.params))
+                   for gc in self._groups)
 
     def invalidate(self) -> None:
         self._groups = None
         self._failed = None
 
-    # -----------------------------------------------------------------------------------------
-    # the cache
-
-    def _build(self, w: FullyShardedOptimizer) -> bool:
-        opt = w.optimizer
-        state = opt.state
-        key = (w._fast_version, id(state), len(state))
+    def _build(self, optimizer: torch.optim.Optimizer, table: SlotTable) -> bool:
+        state = optimizer.state
+        key = (table.version, id(state), len(state))
         if self._failed == key:  # nothing changed since the last failed build
             return False
         self._groups = None
-        for s in w._slots:
+        for s in table.slots:
             s.fast_list = None
-        groups = [_GroupCache(g) for g in opt.param_groups]
-        # by the params list: torch's load_state_dict makes new group dicts around the same
-        # params lists, while the wrapper's slots keep the dicts they were adopted with
-        index = {id(gc.params_list): gc for gc in groups}
-        for s in w._slots:
-            if s.alias is None:
-                continue
-            gc = index.get(id(s.group["params"]))
-            if gc is None:
-                self._failed = key
-                return False
-            gc.slots.append(s)
+        groups = [_GroupCache(g) for g in optimizer.param_groups]
+        for s in table.slots:
+            if s.held:
+                groups[s.group_index].slots.append(s)
         for gc in groups:
-            params = gc.params_list
-            if len(gc.slots) != len(params) or any(
-                    s.alias is not p for s, p in zip(gc.slots, params)):
-                self._failed = key  # the base optimizer's groups were changed behind our back
-                return False
+            gc.n = len(gc.slots)
             need = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if gc.amsgrad else ())
-            for p in params:
-                st = state.get(p)
-                if not st or any(k not in st for k in need) or not torch.is_tensor(st["step"]):
+            for s in gc.slots:
+                st = state.get(s.param)
+                if (not st or any(k not in st for k in need) or not torch.is_tensor(st["step"])
+                        or isinstance(st["step"], DTensor) or s.param.is_sparse):
                     self._failed = key  # the generic step creates (or rejects) the state
                     return False
-                gc.params.append(p)
-                gc.exp_avgs.append(st["exp_avg"])
-                gc.exp_avg_sqs.append(st["exp_avg_sq"])
+                gc.dparams.append(s.param)
+                gc.params.append(s.param._local_tensor)
+                gc.exp_avgs.append(_local(st["exp_avg"]))
+                gc.exp_avg_sqs.append(_local(st["exp_avg_sq"]))
                 if gc.amsgrad:
-                    gc.max_exp_avg_sqs.append(st["max_exp_avg_sq"])
+                    gc.max_exp_avg_sqs.append(_local(st["max_exp_avg_sq"]))
                 gc.steps.append(st["step"])
-                if p.is_sparse:
-                    self._failed = key
-                    return False
-            gc.has_complex = any(torch.is_complex(p) for p in params)
+            gc.has_complex = any(torch.is_complex(p) for p in gc.params)
             gc.device = self._single_device(gc)
         for gc in groups:
             for s in gc.slots:
                 s.fast_list = gc.grads
         self._groups = groups
-        self._version = w._fast_version
+        self._table_version = table.version
         self._state = state
         self._state_len = len(state)
-        self._param_groups = opt.param_groups
+        self._param_groups = optimizer.param_groups
         self._failed = None
         return True
 
@@ -213,17 +178,18 @@ class FastAdamStep:
     # -----------------------------------------------------------------------------------------
     # the step
 
-    def begin(self, w: FullyShardedOptimizer) -> bool:
-        """Before the prepare loop: True when the loop should collect the grads for us (the
-        cache is valid, built now if needed, and every other condition holds)."""
+    def begin(self, optimizer: torch.optim.Optimizer, table: SlotTable) -> object | None:
+        """Before the prepare loop (the route allows the fast step): the cache's token when the
+        loop should collect the grads for it (valid, built now if needed), else None."""
         self.clear()
-        if not self._static_ok(w):
-            return False
-        return self._cache_ok(w) or self._build(w)
+        valid = self._cache_ok(optimizer, table) and self._locals_ok()
+        if not valid and not self._build(optimizer, table):
+            return None
+        return self._groups
 
-    def ready(self, w: FullyShardedOptimizer) -> bool:
+    def ready(self, optimizer: torch.optim.Optimizer, table: SlotTable) -> bool:
         """At step time: nothing changed since :meth:`begin` collected the grads."""
-        return self._static_ok(w) and self._cache_ok(w)
+        return self._cache_ok(optimizer, table)
 
     def clear(self) -> None:
         """Drop the collected grads (no grad memory outlives the step through the cache)."""

@@ -1,0 +1,105 @@
+"""The base optimizer's step on local shards, with its param lists and state left stock.
+
+A base optimizer stepping DTensor params pays DTensor dispatch on every op it issues. For the
+duration of one ``step()`` call, ``local_shard_view`` therefore shows it local tensors:
+
+* each group's ``params`` list (the same list object, refilled in place, since optimizers such
+  as LBFGS keep a reference to it) holds ``p._local_tensor`` of the params it steps on this
+  rank;
+* ``optimizer.state`` is a mapping keyed by those local tensors whose DTensor values are replaced
+  by their local tensors (zero copy: in-place updates reach the DTensor state).
+
+When the step returns (or raises), the lists hold the user's DTensors again, ``optimizer.state``
+is the original mapping object, and every state value the step created or replaced is put back
+as stock torch would hold it: a tensor of the local shard's shape becomes a DTensor with the
+param's mesh, placements, global shape and stride (``DTensor.from_local``, no copy); scalars
+such as ``step`` stay plain. For a 0-d param, whose local shard is 0-d like a scalar, the keys
+in ``SCALAR_STATE_KEYS`` stay plain and every other 0-d entry becomes a DTensor.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ._slots import Slot
+
+__all__ = ["SCALAR_STATE_KEYS", "as_stock_value", "local_shard_view"]
+
+# scalar state of torch's optimizers (step counters, ASGD's eta and mu)
+SCALAR_STATE_KEYS = frozenset({"step", "eta", "mu"})
+
+
+def as_stock_value(key: str, value: object, param: DTensor, local: torch.Tensor) -> object:
+    """``value``, a state entry created on ``local`` (``param``'s local shard), as stock torch
+    would hold it for ``param``."""
+    if (
+        isinstance(value, torch.Tensor)
+        and not isinstance(value, DTensor)
+        and value.shape == local.shape
+        and (local.dim() > 0 or key not in SCALAR_STATE_KEYS)
+    ):
+        return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return value
+
+
+def _local_value(value: object) -> object:
+    return value._local_tensor if isinstance(value, DTensor) else value
+
+
+@contextmanager
+def local_shard_view(
+    optimizer: torch.optim.Optimizer, slots: Sequence[Slot]
+) -> Iterator[list[tuple[DTensor, torch.Tensor]]]:
+    """Show ``optimizer`` the local shards of the held ``slots`` (see the module docstring);
+    yields the ``(param, local)`` pairs it shows."""
+    groups = optimizer.param_groups
+    saved = [list(g["params"]) for g in groups]
+    shown: list[list[torch.Tensor]] = [[] for _ in groups]
+    pairs: list[tuple[DTensor, torch.Tensor]] = []
+    for s in slots:
+        if s.held:
+            local = s.param._local_tensor
+            shown[s.group_index].append(local)
+            pairs.append((s.param, local))
+    state = optimizer.state
+    view: defaultdict[torch.Tensor, dict] = defaultdict(dict)
+    for p, local in pairs:
+        entry = state.get(p)
+        if entry:
+            view[local] = {k: _local_value(v) for k, v in entry.items()}
+    try:
+        for g, params in zip(groups, shown):
+            g["params"][:] = params
+        optimizer.state = view
+        yield pairs
+    finally:
+        for g, params in zip(groups, saved):
+            g["params"][:] = params
+        optimizer.state = state
+        _write_back(state, view, pairs)
+
+
+def _write_back(state: dict, view: dict, pairs: list[tuple[DTensor, torch.Tensor]]) -> None:
+    """Put what the step created or replaced in ``view`` into the stock ``state``."""
+    for p, local in pairs:
+        new = view.get(local)
+        if new is None:
+            continue
+        old = state.get(p)
+        if old is None:
+            state[p] = {k: as_stock_value(k, v, p, local) for k, v in new.items()}
+            continue
+        for k, v in new.items():
+            ov = old.get(k)
+            if ov is v or (isinstance(ov, DTensor) and ov._local_tensor is v):
+                continue
+            old[k] = as_stock_value(k, v, p, local)
+        if len(old) != len(new):
+            for k in [k for k in old if k not in new]:
+                del old[k]
