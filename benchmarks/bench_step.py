@@ -111,6 +111,17 @@ def _profile(fn, label: str) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(14)
 
 
+def _import_other(spec: str):
+    """The package named by ``--compare``."""
+    import importlib
+    import sys
+
+    name, _, path = spec.partition("=")
+    if path:
+        sys.path.insert(0, path)
+    return importlib.import_module(name)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -124,7 +135,12 @@ def main() -> None:
     ap.add_argument("--clip", type=float, default=1.0, help="OptimizerConfig.clip_grad (0: off)")
     ap.add_argument("--profile", action="store_true",
                     help="also cProfile 5 wrapper steps per row (host time by function)")
+    ap.add_argument("--compare", default="",
+                    help="also time the wrapper of another importable copy of the package (e.g. "
+                         "the previous main, renamed): 'module' or 'module=PATH' (PATH is put "
+                         "on sys.path); its row is 'wrap[module]'")
     args = ap.parse_args()
+    other = _import_other(args.compare) if args.compare else None
 
     from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
 
@@ -160,12 +176,19 @@ def main() -> None:
                 wrappers[name] = FullyShardedOptimizer(
                     torch.optim.AdamW(params, **kw), OptimizerConfig(clip_grad=args.clip, **extra))
                 contenders[name] = wrappers[name].step
+            if other is not None:
+                _, params = _make(count, (rows, cols), device, mesh, 2)
+                name = f"wrap[{other.__name__}]"
+                wrappers[name] = other.FullyShardedOptimizer(
+                    torch.optim.AdamW(params, **kw), other.OptimizerConfig(clip_grad=args.clip))
+                contenders[name] = wrappers[name].step
             t = _interleaved(device, contenders, args.warmup, args.iters)
             a = t["bare"]
             cells = " ".join(f"{k} {t[k]:.2f} ms ({t[k] / a:.2f}x bare, {t[k] / floor_ms:.2f}x "
                              f"floor)" for k in contenders)
             notes = ", ".join(f"{k}: {w.fast_steps} fast steps, {w.clip_folds} clip folds"
-                              + (f", {w._triton.launches} triton launches" if w._triton else "")
+                              + (f", {w._triton.launches} triton launches"
+                                 if getattr(w, "_triton", None) else "")
                               for k, w in wrappers.items())
             print(f"{label} {mode}: floor {floor_ms:.2f} ms | {cells} | {notes}")
             if args.profile:
