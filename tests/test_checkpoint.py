@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from test_checkpoint_helpers import (
+from _checkpoint_helpers import (
     OPTIMIZERS,
     PARAMS,
     Model,
