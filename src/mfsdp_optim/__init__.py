@@ -1,5 +1,6 @@
 """mfsdp_optim: make any torch.optim optimizer a correct and fast citizen of FSDP2 training."""
 
+from ._layout_check import DuplicatedParam, check_layout
 from ._version import __version__
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, GradScaler
 from .optimizer import FullyShardedOptimizer, OptimizerConfig
@@ -19,6 +20,8 @@ __all__ = [
     "FullyShardedOptimizer",
     "GradScaler",
     "OptimizerConfig",
+    "DuplicatedParam",
+    "check_layout",
     "GradStats",
     "clip_grads_with_norm_",
     "count_replication",
