@@ -97,6 +97,15 @@ def _rank_experts(same_experts, grads):
     return _run_check(_expert_model(same_experts, grads))
 
 
+def _rank_compiled_names():
+    """A model wrapped the way torch.compile wraps it reports FQNs without ``_orig_mod.``."""
+    from mfsdp_optim import check_layout
+
+    outer = torch.nn.Module()
+    outer.add_module("_orig_mod", _tp_model(True, True, "randn"))
+    return [d.fqn for d in check_layout(outer, warn=False)]
+
+
 def _rank_no_params():
     """Ranks 2, 3 hold nothing and still call (the gather is collective)."""
     from mfsdp_optim import check_layout
@@ -161,3 +170,7 @@ def test_ranks_without_params_take_part(ranks):
     # the same shard at the same position, so it is flagged, on every rank alike
     assert [(d.fqn, d.copies) for d in results[0]] == [("ln_weight", 2)]
     assert all(r == results[0] for r in results)
+
+
+def test_compiled_model_fqns_have_no_orig_mod(ranks):
+    assert ranks(4).run(_rank_compiled_names) == [["ln_weight"]] * 4

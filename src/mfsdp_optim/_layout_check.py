@@ -90,7 +90,8 @@ def _named_params(model) -> Iterable[tuple[str, torch.Tensor]]:
         for name, p in chunk.named_parameters():
             if id(p) not in seen:
                 seen.add(id(p))
-                yield name, p
+                # torch.compile's wrapper adds an ``_orig_mod`` level; FQNs never carry it
+                yield ".".join(part for part in name.split(".") if part != "_orig_mod"), p
 
 
 def check_layout(model: torch.nn.Module | Sequence[torch.nn.Module], *,
