@@ -142,15 +142,15 @@ def check_layout(model: torch.nn.Module | Sequence[torch.nn.Module], *,
         for members in groups.values():
             if len(members) < 2:
                 continue
-            shards = [instances[r] for r in members]
-            grads = [h[1] for s in shards for h in s.values()]
+            held = [instances[r] for r in members]
+            grads = [h[1] for s in held for h in s.values()]
             if all(g is not None for g in grads):
-                by_grad = {tuple(sorted((pos, h[1][:2]) for pos, h in s.items())) for s in shards}
+                by_grad = {tuple(sorted((pos, h[1][:2]) for pos, h in s.items())) for s in held}
                 if len(by_grad) != 1:
                     continue  # same values, different grads: distinct tensors (e.g. experts)
                 evidence = "values+grads"
             else:
-                if all(h[0][2] for s in shards for h in s.values()):
+                if all(h[0][2] for s in held for h in s.values()):
                     continue  # constant shards and no grads: no evidence either way
                 evidence = "values"
             found.append(DuplicatedParam(fqn, len(members), tuple(sorted(members)),
