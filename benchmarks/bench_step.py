@@ -19,6 +19,10 @@ GPU timings use CUDA events; CPU timings use perf_counter.
     python benchmarks/bench_step.py --device cpu --scale 0.01 --iters 5
     python benchmarks/bench_step.py --clip 0 --profile    # clipping off; host profile
     python benchmarks/bench_step.py --count-scale 0.1     # fewer params per set
+    python benchmarks/bench_step.py --optimizer apex_fused_adam  # apex FusedAdam as the base
+
+``--optimizer apex_fused_adam`` (apex importable, CUDA) times apex's FusedAdam (adam_w_mode) in
+place of AdamW: one mode, ``apex``, and no ``stock`` cell (its kernels take plain tensors only).
 
 ``--scale`` shrinks each param's rows (keeps the param count, so host overhead stays visible);
 ``--count-scale`` shrinks the number of params.
@@ -139,8 +143,20 @@ def main() -> None:
                     help="also time the wrapper of another importable copy of the package (e.g. "
                          "the previous main, renamed): 'module' or 'module=PATH' (PATH is put "
                          "on sys.path); its row is 'wrap[module]'")
+    ap.add_argument("--optimizer", choices=("adamw", "apex_fused_adam"), default="adamw",
+                    help="the base optimizer (apex_fused_adam: apex.optimizers.FusedAdam)")
     args = ap.parse_args()
     other = _import_other(args.compare) if args.compare else None
+    apex = args.optimizer == "apex_fused_adam"
+    if apex:
+        from apex.optimizers import FusedAdam
+
+        args.modes, args.no_triton = "apex", True
+
+    def base_opt(params, kw):
+        if apex:
+            return FusedAdam(params, lr=kw["lr"], weight_decay=kw["weight_decay"], adam_w_mode=True)
+        return torch.optim.AdamW(params, **kw)
 
     from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
 
@@ -162,25 +178,27 @@ def main() -> None:
         floor_ms = 28 * numel / bw * 1e3
         label = f"{count}x{rows}x{cols}"
         for mode in args.modes.split(","):
-            kw = {"lr": 1e-3, "weight_decay": 0.01, mode: True}
+            kw = {"lr": 1e-3, "weight_decay": 0.01, **({} if apex else {mode: True})}
             locals_, _ = _make(count, (rows, cols), device, mesh, 0, dtensors=False)
-            contenders = {"bare": torch.optim.AdamW(locals_, **kw).step}
-            _, dparams = _make(count, (rows, cols), device, mesh, 1)
-            stock = torch.optim.AdamW(dparams, **kw)
-            contenders["stock"] = stock.step
+            contenders = {"bare": base_opt(locals_, kw).step}
+            stock = dparams = None
+            if not apex:
+                _, dparams = _make(count, (rows, cols), device, mesh, 1)
+                stock = torch.optim.AdamW(dparams, **kw)
+                contenders["stock"] = stock.step
             wrappers = {}
             for name, extra in (("wrap", {}), ("wrap+triton", {"triton_adam_step": True})):
                 if extra and (mode != "fused" or device.type != "cuda" or args.no_triton):
                     continue
                 _, params = _make(count, (rows, cols), device, mesh, 2)
                 wrappers[name] = FullyShardedOptimizer(
-                    torch.optim.AdamW(params, **kw), OptimizerConfig(clip_grad=args.clip, **extra))
+                    base_opt(params, kw), OptimizerConfig(clip_grad=args.clip, **extra))
                 contenders[name] = wrappers[name].step
             if other is not None:
                 _, params = _make(count, (rows, cols), device, mesh, 2)
                 name = f"wrap[{other.__name__}]"
                 wrappers[name] = other.FullyShardedOptimizer(
-                    torch.optim.AdamW(params, **kw), other.OptimizerConfig(clip_grad=args.clip))
+                    base_opt(params, kw), other.OptimizerConfig(clip_grad=args.clip))
                 contenders[name] = wrappers[name].step
             t = _interleaved(device, contenders, args.warmup, args.iters)
             a = t["bare"]

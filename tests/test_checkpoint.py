@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from test_checkpoint_helpers import (
+from _checkpoint_helpers import (
     OPTIMIZERS,
     PARAMS,
     Model,
@@ -223,13 +223,17 @@ def _materialize(opt_name, alias):
     sd = build_sharded_state_dict(m.optimizer, m.records, is_loading=True)
     assert same(global_params(m), params), "params moved"
     assert same(snapshot(m)[1], groups), "hyperparameters changed"
-    steps = {k: float(v) for e in sd["state"].values() for k, v in e.items() if k == "step"}
     # the keys a real step creates
     real = Model("fsdp", opt_name, alias=alias)
     real.step(0)
     want = build_sharded_state_dict(real.optimizer, real.records)
     return ({f: sorted(e) for f, e in sd["state"].items()},
-            {f: sorted(e) for f, e in want["state"].items()}, steps)
+            {f: sorted(e) for f, e in want["state"].items()}, _steps(sd), _steps(want))
+
+
+def _steps(sd) -> dict[str, float]:
+    """{fqn: step} for the params whose state holds a step counter."""
+    return {f: float(e["step"]) for f, e in sd["state"].items() if "step" in e}
 
 
 def test_is_loading_materializes_without_moving(ranks):
@@ -237,9 +241,14 @@ def test_is_loading_materializes_without_moving(ranks):
     for opt_name in sorted(OPTIMIZERS):
         for alias in (True, False) if opt_name in ("adamw", "sgd") else (True,):
             out = pool.run(_materialize, opt_name, alias)
-            for got, want, steps in out:
+            for got, want, steps, real_steps in out:
                 assert got == want, (opt_name, got, want)
-                assert set(steps.values()) <= {0.0}, (opt_name, steps)
+                # every FQN whose real state has a step counter has one, at 0; only SGD has none
+                assert set(steps) == set(real_steps) == {f for f, k in want.items() if "step" in k}
+                assert bool(steps) == (opt_name != "sgd"), (opt_name, steps)
+                assert set(steps.values()) == ({0.0} if steps else set()), (opt_name, steps)
+                # the same check on the stepped optimizer sees its step 1 (it can fail)
+                assert set(real_steps.values()) == ({1.0} if steps else set()), real_steps
 
 
 # ------------------------------------------------------------------------------------------

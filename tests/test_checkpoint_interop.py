@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from test_checkpoint_helpers import Model, global_state, same
+from _checkpoint_helpers import Model, global_state, same
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,

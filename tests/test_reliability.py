@@ -23,7 +23,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from test_checkpoint_helpers import Model, global_state, same, snapshot
+from _checkpoint_helpers import Model, global_state, same, snapshot
 
 from mfsdp_optim.checkpoint import (
     CorruptCheckpointError,

@@ -93,7 +93,7 @@ def _cases(root):  # noqa: C901 - one flat list of small cases
     import shutil
 
     import torch.distributed as dist
-    from test_checkpoint_helpers import Model
+    from _checkpoint_helpers import Model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 

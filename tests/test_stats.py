@@ -130,12 +130,6 @@ def _rank_mesh_outside_group():
     group = dist.new_group(list(range(world // 2)))  # every rank calls new_group
     mesh = get_mesh((world,))
     grad = DTensor.from_local(torch.ones(2), mesh, [Shard(0)], run_check=False)
-    if dist.get_rank() >= world // 2:
-        try:
-            mfsdp_optim.grad_stats([grad], group=group)
-        except ValueError as exc:
-            return "ValueError", str(exc)
-        return "no error", ""
     try:
         mfsdp_optim.grad_stats([grad], group=group)
     except ValueError as exc:
@@ -339,9 +333,14 @@ def test_bad_input_on_every_rank_raises_everywhere(ranks):
 
 def test_mesh_with_ranks_outside_the_group_is_refused(ranks):
     results = ranks(4).run(_rank_mesh_outside_group, timeout=60)
-    for status, message in results:
-        assert status == "ValueError"
-        assert "not in the grad-stats group" in message
+    assert [status for status, _ in results] == ["ValueError"] * 4
+    # ranks 0, 1 (in the group): their grad's mesh reaches ranks 2, 3, whose shards would be
+    # missed; ranks 2, 3 (outside): they must not call at all. Two different refusals.
+    for rank, (_, message) in enumerate(results):
+        if rank < 2:
+            assert "ranks [2, 3] are not in the grad-stats group" in message, message
+        else:
+            assert f"rank {rank} is not in the grad-stats group but called" in message, message
 
 
 def test_count_replication(ranks):

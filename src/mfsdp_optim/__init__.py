@@ -1,6 +1,7 @@
 """mfsdp_optim: make any torch.optim optimizer a correct and fast citizen of FSDP2 training."""
 
 from ._config import OptimizerConfig
+from ._layout_check import DuplicatedParam, check_layout
 from ._version import __version__
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, GradScaler
 from .optimizer import FullyShardedOptimizer
@@ -30,6 +31,8 @@ __all__ = [
     "FullyShardedOptimizer",
     "GradScaler",
     "OptimizerConfig",
+    "DuplicatedParam",
+    "check_layout",
     "GradStats",
     "clip_grads_with_norm_",
     "count_replication",

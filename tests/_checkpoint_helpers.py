@@ -1,4 +1,4 @@
-"""Rank-side helpers for the checkpoint tests (no tests here).
+"""Rank-side helpers for the checkpoint tests (a helper module: pytest collects nothing here).
 
 A small model of five params is built by hand as DTensors in one of three layouts, trained a few
 steps with deterministic global grads, and compared against a plain, unsharded reference
