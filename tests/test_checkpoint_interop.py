@@ -258,27 +258,39 @@ def test_inspect_cli(ranks, tmp_path, capsys):
     assert code == 2 and "no such checkpoint directory" in err
 
 
-@pytest.mark.parametrize("layout", ["torch", "fsdp_dtensor"])
+@pytest.mark.parametrize("layout", ["torch", "fsdp_dtensor", "format1"])
 def test_converters_share_tensors_and_do_not_mutate(layout):
     t = torch.ones(3)
     step = torch.tensor(4.0)
+    hyper = (("betas", (0.9, 0.99)), ("lr", 0.1))
     if layout == "torch":
         osd = {"state": {"a": {"exp_avg": t, "step": step}},
                "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["a", "b"]}]}
         sd = from_torch_state_dict(osd)
-        assert sd["param_to_group_meta"] == {"a": {"lr": 0.1, "betas": (0.9, 0.99)},
-                                             "b": {"lr": 0.1, "betas": (0.9, 0.99)}}
-        assert sd["state"]["a"]["exp_avg"] is t and sd["state"]["a"]["step"] is step
-        assert osd["param_groups"][0]["params"] == ["a", "b"]
+        # format 2: one (hyperparameters, scalars) leaf per FQN; step leaves state
+        assert sd["param_to_group_meta"] == {"a": (hyper, (("step", 4.0, "float32"),)),
+                                             "b": (hyper, ())}
+        assert sd["state"] == {"a": {"exp_avg": t}} and sd["state"]["a"]["exp_avg"] is t
+        assert osd["param_groups"][0]["params"] == ["a", "b"] and osd["state"]["a"]["step"] is step
         back = to_torch_state_dict(sd)
         assert back["param_groups"] == osd["param_groups"] and back["state"]["a"]["exp_avg"] is t
-    else:
+        # step comes back as a new 0-d tensor of the recorded dtype, bit for bit
+        assert back["state"]["a"]["step"].dtype == torch.float32
+        assert back["state"]["a"]["step"] is not step and same(back["state"]["a"]["step"], step)
+    elif layout == "fsdp_dtensor":
         sd = {"state": {"a": {"exp_avg": t}}, "param_to_group_meta": {
-            "a": {"lr": 0.1}, "b": {"lr": 0.2}, "c": {"lr": 0.1}}}
+            "a": ((("lr", 0.1),), (("step", 4.0, "float32"),)), "b": ((("lr", 0.2),), ()),
+            "c": ((("lr", 0.1),), ())}}
         osd = to_torch_state_dict(sd)
         assert osd["param_groups"] == [{"lr": 0.1, "params": ["a", "c"]},
                                        {"lr": 0.2, "params": ["b"]}]
-        assert osd["state"]["a"]["exp_avg"] is t
+        assert osd["state"]["a"]["exp_avg"] is t and same(osd["state"]["a"]["step"], step)
         assert from_torch_state_dict(osd) == sd
+    else:  # 0.1.0's per-FQN dicts convert too
+        sd = {"state": {"a": {"exp_avg": t, "step": step}}, "param_to_group_meta": {
+            "a": {"lr": 0.1}, "b": {"lr": 0.2}}}
+        osd = to_torch_state_dict(sd)
+        assert osd["param_groups"] == [{"lr": 0.1, "params": ["a"]}, {"lr": 0.2, "params": ["b"]}]
+        assert osd["state"]["a"]["step"] is step and osd["state"]["a"]["exp_avg"] is t
     with pytest.raises(ValueError, match="flattened"):
         from_torch_state_dict({"state": {"state.a.exp_avg": t}, "param_groups": []})
