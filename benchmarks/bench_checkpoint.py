@@ -1,13 +1,25 @@
-"""Checkpoint layer benchmark: 10,000 params on 4 CPU gloo ranks.
+"""Checkpoint layer benchmark, side by side with stock torch in one run, on gloo CPU ranks.
 
-Measures, per rank (max over ranks reported):
-  * build_sharded_state_dict: time and collectives (top-level torch.distributed calls);
-  * build(is_loading=True) + load_sharded_state_dict: time and collectives;
-  * DCP save and DCP load of this package's state dict vs stock torch's
-    get_optimizer_state_dict + dcp.save / dcp.load + set_optimizer_state_dict, on the same
-    tensors (the stock optimizer's state is bound to the very same storage).
+One Adam over DTensor params (``Shard(0)`` on a 1-D mesh of the world; the wrapper's transparent
+case: the base optimizer holds the DTensors, its state is DTensors), stepped once. Then, in this
+order, on the same optimizer and the same tensors:
 
-Run: python benchmarks/bench_checkpoint.py [--params 10000] [--world 4]
+  * stock: ``get_optimizer_state_dict`` + ``dcp.save``; ``get_optimizer_state_dict`` +
+    ``dcp.load`` + ``set_optimizer_state_dict``;
+  * ours, plain DCP: ``build_sharded_state_dict`` + ``dcp.save``; ``build(is_loading=True)`` +
+    ``dcp.load`` + ``load_sharded_state_dict``;
+  * ours, ``save_checkpoint`` / ``load_checkpoint`` (checksums on, verified on load).
+
+Reported: the worst rank's wall time of each phase (between barriers), bytes on disk, the items
+in ``.metadata``, the bytes each rank handed to the keyspace agreement (``_comm.SENT``), and peak
+RSS of rank 0 and of the last rank during each phase (sampled every 2 ms from /proc, as the
+increase over the RSS before the phase), against the size of the rank's state.
+
+Run::
+
+    python benchmarks/bench_checkpoint.py                          # 1,200 params of 48x48, 2 ranks
+    python benchmarks/bench_checkpoint.py --params 10000 --world 4 --rows 4 --cols 16
+    python benchmarks/bench_checkpoint.py --keyspace-only --world 8  # agreement bytes only
 """
 
 from __future__ import annotations
@@ -17,47 +29,88 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-_NAMES = ["all_gather_object", "all_gather", "all_reduce", "broadcast", "broadcast_object_list",
-          "gather_object", "scatter_object_list", "reduce_scatter", "barrier", "all_to_all"]
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-class Count:
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+class PeakRSS:
+    """The largest RSS increase over the value at entry, sampled every 2 ms by a thread."""
+
     def __enter__(self):
-        self.n, self.saved = 0, {}
-        for name in _NAMES:
-            fn = self.saved[name] = getattr(dist, name)
-
-            def w(*a, __fn=fn, **k):
-                self.n += 1
-                return __fn(*a, **k)
-            setattr(dist, name, w)
+        self.base = self.peak = _rss()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
         return self
 
+    def _run(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, _rss())
+
     def __exit__(self, *exc):
-        for name, fn in self.saved.items():
-            setattr(dist, name, fn)
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, _rss())
+        self.delta = self.peak - self.base
 
 
-def timed(fn, counter=None):
-    """Wall time of fn between barriers; collectives fn issues are counted in counter."""
+def phase(res: dict, name: str, fn):
+    """Run fn between barriers; record wall time and peak RSS increase under ``name``."""
     dist.barrier()
-    t = time.perf_counter()
-    if counter is None:
+    with PeakRSS() as mem:
+        t = time.perf_counter()
         out = fn()
-    else:
-        with counter:
-            out = fn()
-    dist.barrier()
-    return out, time.perf_counter() - t
+        dist.barrier()
+        res[f"{name}_s"] = time.perf_counter() - t
+    res[f"{name}_rss"] = mem.delta
+    return out
 
 
-def worker(rank, world, n_params, shape, tmp, queue):
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+
+
+def _items(path: str) -> int:
+    from mfsdp_optim.checkpoint import safe_read_metadata
+
+    return len(safe_read_metadata(path).state_dict_metadata)
+
+
+def _model(n_params: int, shape, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from mfsdp_optim._params import ParamRecord
+
+    mesh = init_device_mesh("cpu", (world,))
+    gshape = (shape[0] * world, shape[1])
+    model = torch.nn.Module()
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for i in range(n_params):
+        local = torch.randn(shape, generator=g)
+        p = torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                                  shape=gshape, stride=(shape[1], 1)))
+        model.register_parameter(f"p{i}", p)
+    records = [ParamRecord(n, p, p) for n, p in model.named_parameters()]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    return model, opt, records
+
+
+def worker(rank, world, args, tmp, queue):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
@@ -66,104 +119,135 @@ def worker(rank, world, n_params, shape, tmp, queue):
         get_optimizer_state_dict,
         set_optimizer_state_dict,
     )
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
 
-    from mfsdp_optim._params import ParamRecord
-    from mfsdp_optim.checkpoint import build_sharded_state_dict, load_sharded_state_dict
+    from mfsdp_optim import _comm
+    from mfsdp_optim.checkpoint import (
+        build_sharded_state_dict,
+        load_checkpoint,
+        load_sharded_state_dict,
+        save_checkpoint,
+    )
 
-    mesh = init_device_mesh("cpu", (world,))
-    gshape = (shape[0] * world, shape[1])
-    model = torch.nn.Module()
-    records = []
-    for i in range(n_params):
-        local = torch.randn(shape)
-        p = torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
-                                                  shape=gshape, stride=(shape[1], 1)))
-        model.register_parameter(f"p{i}", p)
-        records.append(ParamRecord(f"p{i}", p, p._local_tensor))
-    # the base optimizer over local aliases, as FullyShardedOptimizer feeds it; one step
-    opt = torch.optim.Adam([r.opt_param for r in records], lr=1e-3)
-    for r in records:
-        r.opt_param.grad = torch.randn(shape)
-    opt.step()
-    # stock: an optimizer over the DTensor params whose state is the same storage
-    stock = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for r in records:
-        st = opt.state[r.opt_param]
-        stock.state[r.param] = {
-            "step": st["step"],
-            **{k: DTensor.from_local(st[k], mesh, [Shard(0)], run_check=False, shape=gshape,
-                                     stride=(shape[1], 1)) for k in ("exp_avg", "exp_avg_sq")}}
-    res = {}
-    c = Count()
-    sd, res["build_s"] = timed(lambda: build_sharded_state_dict(opt, records), c)
-    res["build_collectives"] = c.n
-    _, res["ours_save_s"] = timed(lambda: dcp.save({"optimizer": sd}, checkpoint_id=f"{tmp}/ours"))
-    osd, res["stock_get_s"] = timed(lambda: get_optimizer_state_dict(model, stock))
-    _, res["stock_dcp_save_s"] = timed(
-        lambda: dcp.save({"optimizer": osd}, checkpoint_id=f"{tmp}/stock"))
-    res["stock_save_s"] = res["stock_get_s"] + res["stock_dcp_save_s"]
-    res["ours_save_total_s"] = res["build_s"] + res["ours_save_s"]
+    model, opt, records = _model(args.params, (args.rows, args.cols), world)
+    res: dict = {"state_bytes": sum(v._local_tensor.numel() * v._local_tensor.element_size()
+                                    for s in opt.state.values() for v in s.values()
+                                    if v.dim() > 0)}
+    sent0 = dict(_comm.SENT)
+    build_sharded_state_dict(opt, records)
+    res["keyspace_sent"] = sum(_comm.SENT.values()) - sum(sent0.values())
+    # what the detailed exchange (0.1.0's only path, now the fallback) would send per rank
+    import pickle
 
-    target, res["ours_target_s"] = timed(
-        lambda: build_sharded_state_dict(opt, records, is_loading=True))
-    _, res["ours_dcp_load_s"] = timed(
-        lambda: dcp.load({"optimizer": target}, checkpoint_id=f"{tmp}/ours"))
-    c = Count()
-    _, res["load_s"] = timed(lambda: load_sharded_state_dict(opt, records, target), c)
-    res["load_collectives"] = c.n
-    res["ours_load_total_s"] = res["ours_target_s"] + res["ours_dcp_load_s"] + res["load_s"]
+    from mfsdp_optim.checkpoint._keyspace import describe
+
+    res["detail_sent"] = 8 + len(pickle.dumps(describe(opt, records).description,
+                                              protocol=pickle.HIGHEST_PROTOCOL))
+    if args.keyspace_only:
+        queue.put((rank, res))
+        dist.destroy_process_group()
+        return
+
+    def stock_save():
+        dcp.save({"optimizer": get_optimizer_state_dict(model, opt)},
+                 checkpoint_id=f"{tmp}/stock")
 
     def stock_load():
-        o = get_optimizer_state_dict(model, stock)
-        dcp.load({"optimizer": o}, checkpoint_id=f"{tmp}/stock")
-        set_optimizer_state_dict(model, stock, o)
-    _, res["stock_load_total_s"] = timed(stock_load)
+        osd = get_optimizer_state_dict(model, opt)
+        dcp.load({"optimizer": osd}, checkpoint_id=f"{tmp}/stock")
+        set_optimizer_state_dict(model, opt, osd)
+
+    def ours_save():
+        dcp.save({"optimizer": build_sharded_state_dict(opt, records)},
+                 checkpoint_id=f"{tmp}/ours")
+
+    def ours_load():
+        target = build_sharded_state_dict(opt, records, is_loading=True)
+        dcp.load({"optimizer": target}, checkpoint_id=f"{tmp}/ours")
+        load_sharded_state_dict(opt, records, target)
+
+    def safe_save():
+        save_checkpoint({"optimizer": build_sharded_state_dict(opt, records)}, f"{tmp}/safe")
+
+    def safe_load():
+        target = build_sharded_state_dict(opt, records, is_loading=True)
+        load_checkpoint({"optimizer": target}, f"{tmp}/safe")
+        load_sharded_state_dict(opt, records, target)
+
+    for name, fn in [("stock_save", stock_save), ("stock_load", stock_load),
+                     ("ours_save", ours_save), ("ours_load", ours_load),
+                     ("safe_save", safe_save), ("safe_load", safe_load)]:
+        if os.environ.get("BENCH_PROFILE") == name and rank == 0:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            phase(res, name, fn)
+            prof.disable()
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+        else:
+            phase(res, name, fn)
+    if rank == 0:
+        for kind in ("stock", "ours", "safe"):
+            res[f"{kind}_bytes"] = _dir_bytes(f"{tmp}/{kind}")
+            res[f"{kind}_items"] = _items(f"{tmp}/{kind}")
     queue.put((rank, res))
     dist.destroy_process_group()
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--params", type=int, default=10_000)
-    ap.add_argument("--world", type=int, default=4)
-    ap.add_argument("--rows", type=int, default=4, help="local rows per param per rank")
-    ap.add_argument("--cols", type=int, default=16)
-    args = ap.parse_args()
+def run(args) -> dict[int, dict]:
     tmp = tempfile.mkdtemp(prefix="bench_ckpt_")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    t0 = time.perf_counter()
-    procs = [ctx.Process(target=worker, args=(r, args.world, args.params, (args.rows, args.cols),
-                                              tmp, queue)) for r in range(args.world)]
+    procs = [ctx.Process(target=worker, args=(r, args.world, args, tmp, queue))
+             for r in range(args.world)]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=900) for _ in procs)
+    results = dict(queue.get(timeout=3600) for _ in procs)
     for p in procs:
         p.join()
     shutil.rmtree(tmp, ignore_errors=True)
-    keys = results[0].keys()
-    worst = {k: max(results[r][k] for r in results) for k in keys}
-    state_mb = args.params * args.rows * args.cols * args.world * 4 * 2 / 2**20
-    print(f"{args.params} params, {args.world} gloo CPU ranks, Adam state {state_mb:.1f} MiB "
-          f"global (exp_avg + exp_avg_sq), worst rank shown; wall {time.perf_counter() - t0:.0f}s")
-    print(f"build_sharded_state_dict : {worst['build_s'] * 1e3:8.1f} ms, "
-          f"{worst['build_collectives']} collective(s)")
-    print(f"load_sharded_state_dict  : {worst['load_s'] * 1e3:8.1f} ms, "
-          f"{worst['load_collectives']} collective(s)")
-    print(f"build(is_loading=True)   : {worst['ours_target_s'] * 1e3:8.1f} ms")
-    rows = [("save (state dict + dcp.save)", worst["ours_save_total_s"], worst["stock_save_s"]),
-            ("load (target + dcp.load + load)", worst["ours_load_total_s"],
-             worst["stock_load_total_s"])]
-    print(f"{'':34}{'ours':>10}{'stock':>10}{'ours/stock':>12}")
-    for name, ours, stock in rows:
-        print(f"{name:34}{ours:9.2f}s{stock:9.2f}s{ours / stock:11.2f}x")
-    tot_o = rows[0][1] + rows[1][1]
-    tot_s = rows[0][2] + rows[1][2]
-    print(f"{'save + load':34}{tot_o:9.2f}s{tot_s:9.2f}s{tot_o / tot_s:11.2f}x")
-    print(f"  (ours dcp.save alone {worst['ours_save_s']:.2f}s vs stock dcp.save alone "
-          f"{worst['stock_dcp_save_s']:.2f}s; ours dcp.load alone {worst['ours_dcp_load_s']:.2f}s)")
+    return results
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--params", type=int, default=1200)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--rows", type=int, default=24, help="local rows per param per rank")
+    ap.add_argument("--cols", type=int, default=48)
+    ap.add_argument("--keyspace-only", action="store_true",
+                    help="only the bytes each rank sends to agree on the keyspace")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    res = run(args)
+    sent = sorted({r["keyspace_sent"] for r in res.values()})
+    print(f"{args.params} params of {args.rows * args.world}x{args.cols}, {args.world} gloo CPU "
+          f"ranks; keyspace agreement: {sent} bytes sent per rank (the detailed exchange: "
+          f"{max(r['detail_sent'] for r in res.values())} bytes sent, x{args.world} received)")
+    if args.keyspace_only:
+        return
+    worst = {k: max(r[k] for r in res.values()) for k in res[0] if k.endswith("_s")}
+    r0 = res[0]
+    print(f"wall {time.perf_counter() - t0:.0f}s; state per rank {r0['state_bytes'] / 2**20:.2f} "
+          f"MiB; worst rank's time")
+    print(f"{'':22}{'save s':>9}{'load s':>9}{'total s':>9}{'x stock':>9}{'MiB':>9}"
+          f"{'x stock':>9}{'items':>8}")
+    stock_t = worst["stock_save_s"] + worst["stock_load_s"]
+    for kind, label in (("stock", "stock torch"), ("ours", "ours, plain dcp"),
+                        ("safe", "ours, save_checkpoint")):
+        t = worst[f"{kind}_save_s"] + worst[f"{kind}_load_s"]
+        b = r0[f"{kind}_bytes"]
+        print(f"{label:22}{worst[f'{kind}_save_s']:9.2f}{worst[f'{kind}_load_s']:9.2f}{t:9.2f}"
+              f"{t / stock_t:9.2f}{b / 2**20:9.2f}{b / r0['stock_bytes']:9.2f}"
+              f"{r0[f'{kind}_items']:8d}")
+    print("peak RSS increase over the phase's start, MiB (rank 0 / rank "
+          f"{args.world - 1}), state per rank {r0['state_bytes'] / 2**20:.2f} MiB:")
+    last = res[args.world - 1]
+    for kind in ("stock", "ours", "safe"):
+        print(f"  {kind:6} save {r0[f'{kind}_save_rss'] / 2**20:7.1f} / "
+              f"{last[f'{kind}_save_rss'] / 2**20:7.1f}   load "
+              f"{r0[f'{kind}_load_rss'] / 2**20:7.1f} / {last[f'{kind}_load_rss'] / 2**20:7.1f}")
 
 
 if __name__ == "__main__":

@@ -138,7 +138,22 @@ def plain(v):
 
 
 def global_state(sd):
-    """{fqn: {key: full tensor | float}} and the hyperparameters; collective on every rank."""
+    """{fqn: {key: full tensor | float}} and the hyperparameters; collective on every rank.
+
+    Either layout: a format-2 dict's leaves (hyperparameters + ``step``), which only the ranks
+    whose optimizer holds a param emit, are first shared with every rank (one object gather),
+    so every rank returns the same global view."""
+    from mfsdp_optim.checkpoint._load import as_format1
+
+    leaves = sd["param_to_group_meta"]
+    if not any(isinstance(v, dict) for v in leaves.values()):  # format 2, even when empty here
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, leaves)
+        union = {}
+        for got in everyone:
+            for fqn, leaf in got.items():
+                assert union.setdefault(fqn, leaf) == leaf, f"ranks emit different {fqn!r} leaves"
+        sd = as_format1({"state": sd["state"], "param_to_group_meta": union})
     state = {fqn: {k: plain(sd["state"][fqn][k]) for k in sorted(sd["state"][fqn])}
              for fqn in sorted(sd["state"])}
     meta = {fqn: {k: plain(v) for k, v in m.items()} for fqn, m in sd["param_to_group_meta"].items()}

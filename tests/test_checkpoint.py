@@ -25,6 +25,7 @@ from mfsdp_optim.checkpoint import (
     load_sharded_state_dict,
     prune_to_checkpoint,
 )
+from mfsdp_optim.checkpoint._load import as_format1
 
 STEPS = 2
 
@@ -189,27 +190,79 @@ def _keyspace(alias):
     target = build_sharded_state_dict(m.optimizer, m.records, is_loading=True)
     with _Counter() as c:
         load_sharded_state_dict(m.optimizer, m.records, target)
-    return keys, sorted(sd["param_to_group_meta"]), build_calls, build_functional, dict(
+    return keys, sd["param_to_group_meta"], build_calls, build_functional, dict(
         c.calls), filtered, empty_locals
 
 
 @pytest.mark.parametrize("alias", [True, False])
 def test_keyspace_identical_and_one_collective(ranks, alias):
     out = ranks(4).run(_keyspace, alias)
-    keys0, meta0 = out[0][0], out[0][1]
+    keys0 = out[0][0]
     assert set(keys0) == {n for n, _ in PARAMS}
     assert out[2][5] == ["tiny"] and out[3][5] == ["tiny", "layers.1.bias"]  # filter is on
-    for rank, (keys, meta, build_calls, functional, load_calls, _, empty) in enumerate(out):
+    for rank, (keys, meta, build_calls, functional, load_calls, filtered, empty) in enumerate(out):
+        # the filtered ranks derived the keys locally (zero-element step) and emit the same
         assert keys == keys0, f"rank {rank} keyspace differs"
-        assert meta == meta0, f"rank {rank} meta keyspace differs"
-        # one object gather for the whole state dict: two flat all-gathers (sizes, payload);
-        # no DTensor redistribution, no per-tensor traffic
-        flat_gathers = {"all_gather_single", "all_gather_into_tensor"}
-        assert sum(build_calls.values()) == 2 and set(build_calls) <= flat_gathers, build_calls
-        assert sum(functional.values()) == 2, functional
-        assert sum(load_calls.values()) == 2 and set(load_calls) <= flat_gathers, load_calls
+        assert all("step" not in e for e in keys.values()), "scalars live in the leaves"
+        # a leaf per param this rank's optimizer holds, equal to rank 0's
+        assert set(meta) == {n for n, _ in PARAMS} - set(filtered), (rank, sorted(meta))
+        assert all(meta[f] == out[0][1][f] for f in meta)
+        assert all({k: v for k, v, _ in leaf[1]} == {"step": float(STEPS)}
+                   and dict(leaf[0])["amsgrad"]
+                   for leaf in meta.values())
+        # the agreement is ONE all-reduce of a fixed-size digest; no gather, no DTensor
+        # redistribution, no per-tensor traffic; the load's validity check likewise
+        assert build_calls == {"all_reduce": 1}, build_calls
+        assert sum(functional.values()) == 1, functional
+        assert load_calls == {"all_reduce": 1}, load_calls
         assert all(shape[0] == 0 for shape in empty.values()), empty
-    assert keys0["tiny"]["step"][3] == float(STEPS)  # placeholders carry the owners' step
+
+
+def _keyspace_fallback(case):
+    """Ranks whose digests differ: rank 1 holds an extra param (another model), or the params
+    never stepped on their owners while a filtered rank derives keys for them."""
+    from mfsdp_optim._params import ParamRecord
+
+    m = Model("fsdp", "adamw_amsgrad")
+    if case == "stepped":
+        for t in range(STEPS):
+            m.step(t)
+    records = list(m.records)
+    if case == "stepped" and dist.get_rank() == 1:  # a param only rank 1 has (pipeline stage)
+        extra = torch.nn.Parameter(torch.zeros(4))
+        m.optimizer.add_param_group({"params": [extra], "lr": 0.3})
+        for r in m.records:
+            if r.opt_param is not None:
+                r.opt_param.grad = None  # step the extra param alone: to step STEPS as well
+        for _ in range(STEPS):
+            extra.grad = torch.ones(4)
+            m.optimizer.step()
+        from torch.distributed.tensor import DTensor, Replicate
+
+        mesh = m.params[0].device_mesh
+        records.append(ParamRecord("rank1.extra", DTensor.from_local(
+            extra.detach(), mesh, [Replicate()], run_check=False), extra))
+    with _Counter() as c:
+        sd = build_sharded_state_dict(m.optimizer, records)
+    keys = {fqn: sorted(e) for fqn, e in sd["state"].items()}
+    return keys, sorted(sd["param_to_group_meta"]), dict(c.calls)
+
+
+def test_keyspace_falls_back_to_detail_on_mismatch(ranks):
+    out = ranks(4).run(_keyspace_fallback, "stepped")
+    for rank, (keys, meta, calls) in enumerate(out):
+        # one all-reduce said "differ", then the detailed gather (sizes + payload)
+        assert calls == {"all_reduce": 1, "all_gather_single": 2}, calls
+        assert ("rank1.extra" in keys) == (rank == 1), (rank, sorted(keys))
+        assert keys["layers.0.weight"] == ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
+        assert ("rank1.extra" in meta) == (rank == 1)
+    out = ranks(4).run(_keyspace_fallback, "never_stepped")
+    for rank, (keys, meta, calls) in enumerate(out):
+        # nobody stepped: the filtered ranks' derived keys disagree with the owners' (none),
+        # and the owners' word wins: no state anywhere
+        assert calls == {"all_reduce": 1, "all_gather_single": 2}, calls
+        assert keys == {}, (rank, keys)
+        assert len(meta) == 5 - {2: 1, 3: 2}.get(rank, 0)
 
 
 # ------------------------------------------------------------------------------------------
@@ -232,8 +285,10 @@ def _materialize(opt_name, alias):
 
 
 def _steps(sd) -> dict[str, float]:
-    """{fqn: step} for the params whose state holds a step counter."""
-    return {f: float(e["step"]) for f, e in sd["state"].items() if "step" in e}
+    """{fqn: step} for the params whose state holds a step counter (format 2: the scalars of
+    the param's ``param_to_group_meta`` leaf)."""
+    return {f: float(v) for f, (_, scalars) in sd["param_to_group_meta"].items()
+            for k, v, _ in scalars if k == "step"}
 
 
 def test_is_loading_materializes_without_moving(ranks):
@@ -244,7 +299,8 @@ def test_is_loading_materializes_without_moving(ranks):
             for got, want, steps, real_steps in out:
                 assert got == want, (opt_name, got, want)
                 # every FQN whose real state has a step counter has one, at 0; only SGD has none
-                assert set(steps) == set(real_steps) == {f for f, k in want.items() if "step" in k}
+                # (a rank emits a param's leaf only where its optimizer holds the param)
+                assert set(steps) == set(real_steps) <= set(want)
                 assert bool(steps) == (opt_name != "sgd"), (opt_name, steps)
                 assert set(steps.values()) == ({0.0} if steps else set()), (opt_name, steps)
                 # the same check on the stepped optimizer sees its step 1 (it can fail)
@@ -267,7 +323,9 @@ def _bad_inputs():
     rank = dist.get_rank()
 
     def fresh():
-        sd = build_sharded_state_dict(m.optimizer, m.records)
+        # format 1 (0.1.0's per-FQN dicts), which the load still accepts: the cases below
+        # corrupt its dicts; the format-2 leaves are checked in "a (hyperparameters, scalars)"
+        sd = as_format1(build_sharded_state_dict(m.optimizer, m.records))
         # detach from the live state so a wrongly applied load would show
         return {"state": {f: {k: (DTensor.from_local(v._local_tensor.clone() + 1, v.device_mesh,
                                                      v.placements, run_check=False, shape=v.shape,
@@ -304,6 +362,8 @@ def _bad_inputs():
         "hyperparameters in the state dict differ":
             lambda sd: sd["param_to_group_meta"]["layers.1.weight"].update(lr=0.5),
         "exactly the keys": lambda sd: sd.update(param_groups=[]),
+        "or a (hyperparameters, scalars) tuple (format 2)":
+            lambda sd: sd["param_to_group_meta"].update({"layers.0.bias": ((), (), ())}),
     }
     messages = {}
     for expected, corrupt in cases.items():

@@ -4,6 +4,7 @@ the DCP Stateful adapter, and the ``inspect`` command line."""
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 
@@ -232,6 +233,8 @@ def _inspect(capsys, *args):
 
 
 def test_inspect_cli(ranks, tmp_path, capsys):
+    import json
+
     native, as_torch = str(tmp_path / "native"), str(tmp_path / "torch")
     ranks(4).run(_ours_writes, as_torch, native)
     # the real entry point once, in a fresh interpreter
@@ -241,44 +244,113 @@ def test_inspect_cli(ranks, tmp_path, capsys):
     assert r.returncode == 0, r.stderr
     code, out, _ = _inspect(capsys, native)
     assert code == 0 and out == r.stdout
-    assert "[optimizer] layout fsdp_dtensor: 4 params, 4 with state" in out, out
-    for line in ("  0.weight", "    exp_avg          float32   6x8", "    step             float32"
-                 "   scalar", "lr=0.01", "betas=(0.9, 0.999)", "weight_decay=0.1"):
+    assert ("[optimizer] layout fsdp_dtensor (format 2): 4 params, 4 with state, 1 group(s)"
+            in out), out
+    # the group's hyperparameters once, then the params with shapes, dtypes and steps
+    assert out.count("lr=0.01") == 1 and out.count("weight_decay=0.1") == 1, out
+    for line in ("group 0 (4 params): ", "betas=(0.9, 0.999)",
+                 "0.weight  exp_avg float32 6x8, exp_avg_sq float32 6x8; step=2",
+                 "totals: 4 params", "written by 4 rank(s)"):
         assert line in out, (line, out)
     code, out, _ = _inspect(capsys, as_torch)
     assert code == 0 and "layout torch (get_optimizer_state_dict): 4 params" in out, out
-    assert "lr=0.01" in out and "  2.bias" in out and "weight_decay=0.1" in out, out
-    code, out, _ = _inspect(capsys, native, "--json", "--no-values")
-    assert code == 0 and '"exp_avg_sq"' in out and '"lr": null' in out
+    assert out.count("lr=0.01") == 1 and "2.bias" in out and "step float32 scalar" in out, out
+    # --no-values reads .metadata alone and says so, instead of printing None as values
+    code, out, _ = _inspect(capsys, native, "--no-values")
+    assert code == 0 and "hyperparameters not read (--no-values)" in out and "None" not in out
+    code, out, _ = _inspect(capsys, native, "--json")
+    report = json.loads(out)
+    opt = report["optimizers"]["optimizer"]
+    assert code == 0 and opt["format"] == 2 and opt["params"] == 4 and report["ranks"] == 4
+    assert opt["groups"][0]["hyperparameters"]["lr"] == 0.01
+    assert opt["groups"][0]["params"]["0.weight"]["scalars"] == {"step": 2.0}
+    assert opt["groups"][0]["params"]["0.weight"]["state"]["exp_avg"] == {
+        "dtype": "float32", "shape": [6, 8], "bytes": 192}
     empty = tmp_path / "empty"
     empty.mkdir()
     code, _, err = _inspect(capsys, str(empty))
     assert code == 2 and "no .metadata" in err and "not a finished" in err
     code, _, err = _inspect(capsys, str(tmp_path / "missing"))
     assert code == 2 and "no such checkpoint directory" in err
+    code, _, _ = _inspect(capsys, native, "--bogus")
+    assert code == 2
 
 
-@pytest.mark.parametrize("layout", ["torch", "fsdp_dtensor"])
+def _damage(path: str, how: str) -> None:
+    shard = os.path.join(path, "__0_0.distcp")
+    if how == "truncated shard":
+        with open(shard, "r+b") as f:
+            f.truncate(os.path.getsize(shard) // 2)
+    elif how == "missing shard":
+        os.remove(shard)
+    elif how == "edited .metadata":  # a shape changed: the marker's SHA-256 no longer matches
+        from mfsdp_optim.checkpoint import safe_read_metadata
+
+        md = safe_read_metadata(path)
+        item = md.state_dict_metadata["optimizer.state.0.weight.exp_avg"]
+        item.size = torch.Size([60, 8])
+        with open(os.path.join(path, ".metadata"), "wb") as f:
+            pickle.dump(md, f)
+
+
+@pytest.mark.parametrize("how", ["truncated shard", "missing shard", "edited .metadata"])
+@pytest.mark.parametrize("marker", [True, False], ids=["save_checkpoint", "plain_dcp"])
+def test_inspect_never_calls_damaged_complete(tmp_path, capsys, how, marker):
+    from mfsdp_optim.checkpoint import save_checkpoint
+
+    path = str(tmp_path / "ckpt")
+    sd = {"optimizer": {"state": {"0.weight": {"exp_avg": torch.ones(6, 8)}},
+                        "param_to_group_meta": {"0.weight": ((("lr", 0.1),), ())}}}
+    save_checkpoint(sd, path)
+    if not marker:  # what plain dcp.save leaves
+        os.remove(os.path.join(path, "mfsdp_complete.json"))
+    assert _inspect(capsys, path)[0] == 0  # precondition: whole before the damage
+    _damage(path, how)
+    if not marker and how == "edited .metadata":
+        # without the marker nothing records what .metadata was: the claim is only that
+        # every item still lies inside its file, so this one passes as whole, with its shape
+        code, out, _ = _inspect(capsys, path)
+        assert code == 0 and "60x8" in out
+        return
+    for extra in ((), ("--no-values",), ("--json",)):
+        code, out, err = _inspect(capsys, path, *extra)
+        assert code == 3, (how, extra, code, out, err)
+        assert "complete" not in out and "Traceback" not in err, (out, err)
+
+
+@pytest.mark.parametrize("layout", ["torch", "fsdp_dtensor", "format1"])
 def test_converters_share_tensors_and_do_not_mutate(layout):
     t = torch.ones(3)
     step = torch.tensor(4.0)
+    hyper = (("betas", (0.9, 0.99)), ("lr", 0.1))
     if layout == "torch":
         osd = {"state": {"a": {"exp_avg": t, "step": step}},
                "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["a", "b"]}]}
         sd = from_torch_state_dict(osd)
-        assert sd["param_to_group_meta"] == {"a": {"lr": 0.1, "betas": (0.9, 0.99)},
-                                             "b": {"lr": 0.1, "betas": (0.9, 0.99)}}
-        assert sd["state"]["a"]["exp_avg"] is t and sd["state"]["a"]["step"] is step
-        assert osd["param_groups"][0]["params"] == ["a", "b"]
+        # format 2: one (hyperparameters, scalars) leaf per FQN; step leaves state
+        assert sd["param_to_group_meta"] == {"a": (hyper, (("step", 4.0, "float32"),)),
+                                             "b": (hyper, ())}
+        assert sd["state"] == {"a": {"exp_avg": t}} and sd["state"]["a"]["exp_avg"] is t
+        assert osd["param_groups"][0]["params"] == ["a", "b"] and osd["state"]["a"]["step"] is step
         back = to_torch_state_dict(sd)
         assert back["param_groups"] == osd["param_groups"] and back["state"]["a"]["exp_avg"] is t
-    else:
+        # step comes back as a new 0-d tensor of the recorded dtype, bit for bit
+        assert back["state"]["a"]["step"].dtype == torch.float32
+        assert back["state"]["a"]["step"] is not step and same(back["state"]["a"]["step"], step)
+    elif layout == "fsdp_dtensor":
         sd = {"state": {"a": {"exp_avg": t}}, "param_to_group_meta": {
-            "a": {"lr": 0.1}, "b": {"lr": 0.2}, "c": {"lr": 0.1}}}
+            "a": ((("lr", 0.1),), (("step", 4.0, "float32"),)), "b": ((("lr", 0.2),), ()),
+            "c": ((("lr", 0.1),), ())}}
         osd = to_torch_state_dict(sd)
         assert osd["param_groups"] == [{"lr": 0.1, "params": ["a", "c"]},
                                        {"lr": 0.2, "params": ["b"]}]
-        assert osd["state"]["a"]["exp_avg"] is t
+        assert osd["state"]["a"]["exp_avg"] is t and same(osd["state"]["a"]["step"], step)
         assert from_torch_state_dict(osd) == sd
+    else:  # 0.1.0's per-FQN dicts convert too
+        sd = {"state": {"a": {"exp_avg": t, "step": step}}, "param_to_group_meta": {
+            "a": {"lr": 0.1}, "b": {"lr": 0.2}}}
+        osd = to_torch_state_dict(sd)
+        assert osd["param_groups"] == [{"lr": 0.1, "params": ["a"]}, {"lr": 0.2, "params": ["b"]}]
+        assert osd["state"]["a"]["step"] is step and osd["state"]["a"]["exp_avg"] is t
     with pytest.raises(ValueError, match="flattened"):
         from_torch_state_dict({"state": {"state.a.exp_avg": t}, "param_groups": []})

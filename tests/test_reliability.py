@@ -303,7 +303,9 @@ def _disagree(root, case):
     if case == "extra_param" and rank == 3:  # rank 3's model has a param the others lack
         sd["state"]["extra.weight"] = dict(sd["state"]["layers.0.weight"])
     if case == "scalar" and rank == 1:  # rank 1 is one step ahead: DCP would keep one 'step'
-        sd["state"]["layers.0.bias"]["step"] = sd["state"]["layers.0.bias"]["step"] + 1
+        hyper, scalars = sd["param_to_group_meta"]["layers.0.bias"]
+        sd["param_to_group_meta"]["layers.0.bias"] = (hyper, tuple(
+            (k, v + 1 if k == "step" else v, dt) for k, v, dt in scalars))
     t0 = time.monotonic()
     try:
         save_checkpoint({"optimizer": sd}, os.path.join(root, case))
@@ -317,7 +319,7 @@ DISAGREE = {
     "keyspace": ("KeyspaceError", "ranks hold different state keys"),
     "model": ("RankDisagreementError", "rank 2 has a DTensor [10, 9]"),
     "extra_param": ("RankDisagreementError", "ranks [0, 1, 2] do not have it"),
-    "scalar": ("RankDisagreementError", "'optimizer.state.layers.0.bias.step'"),
+    "scalar": ("RankDisagreementError", "'optimizer.param_to_group_meta.layers.0.bias'"),
 }
 
 

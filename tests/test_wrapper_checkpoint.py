@@ -38,13 +38,14 @@ def _train(model, opt, steps, first):
 
 
 def _global_state(opt) -> dict:
-    sd = opt.sharded_state_dict()
-    out = {}
-    for fqn, entry in sd["state"].items():
-        for key, value in entry.items():
-            full = value.full_tensor() if hasattr(value, "full_tensor") else value
-            out[f"{fqn}.{key}"] = torch.as_tensor(full).detach().clone()
-    return out, sd["param_to_group_meta"]
+    """{"fqn.key": full tensor} (``step`` included, from the format-2 leaves) and the
+    hyperparameters, the same on every rank (_checkpoint_helpers.global_state)."""
+    from _checkpoint_helpers import global_state
+
+    state, meta = global_state(opt.sharded_state_dict())
+    out = {f"{fqn}.{key}": torch.as_tensor(value).detach().clone()
+           for fqn, entry in state.items() for key, value in entry.items()}
+    return out, meta
 
 
 def _rank_save(path, filter_empty):
@@ -94,6 +95,7 @@ def test_save_on_4_load_elsewhere_bit_exact_and_training_continues(
     saved = ranks(4).run(_rank_save, path, filter_empty)
     state0, meta0, after0, params0 = saved[0]
     assert any(k.endswith("exp_avg_sq") for k in state0) and len(state0) > 10
+    assert any(k.endswith(".step") for k in state0)  # the scalars are compared too
     world = 1
     for n in load_mesh:
         world *= n

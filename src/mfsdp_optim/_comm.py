@@ -9,7 +9,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["collective_device", "all_gather_objects"]
+__all__ = ["SENT", "all_gather_objects", "all_reduce_max", "collective_device"]
+
+# bytes this process handed to collectives through these helpers, per helper: what a rank
+# contributes (its input), the measure of how a protocol's traffic grows with the world size
+SENT: dict[str, int] = {"all_gather_objects": 0, "all_reduce_max": 0}
 
 
 def collective_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -30,6 +34,7 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list
     device = collective_device(group)
     world = dist.get_world_size(group)
     payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    SENT["all_gather_objects"] += 8 + len(payload)
     size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     sizes = torch.empty(world, dtype=torch.int64, device=device)
     _all_gather_flat(sizes, size, group)
@@ -45,6 +50,16 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list
     return [
         pickle.loads(ctypes.string_at(base + r * width, n)) for r, n in enumerate(sizes_host)
     ]
+
+
+def all_reduce_max(values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The elementwise maximum of ``values`` (a small host tensor) over the group, on the host:
+    one all-reduce of ``values.numel()`` elements, whatever the world size."""
+    device = collective_device(group)
+    buf = values.to(device, copy=True)
+    SENT["all_reduce_max"] += buf.numel() * buf.element_size()
+    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+    return buf.cpu()
 
 
 def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None):

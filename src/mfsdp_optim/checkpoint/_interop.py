@@ -5,25 +5,36 @@ torch (unflattened, ``StateDictOptions(flatten_optimizer_state_dict=False)``)::
     {"state": {fqn: {"exp_avg": DTensor, "step": tensor(3.)}},
      "param_groups": [{"lr": 0.01, "betas": (0.9, 0.999), ..., "params": [fqn, fqn, ...]}]}
 
-fsdp_dtensor::
+fsdp_dtensor (format 2; see ``_build``)::
 
-    {"state": {fqn: {"exp_avg": DTensor, "step": tensor(3.)}},
-     "param_to_group_meta": {fqn: {"lr": 0.01, "betas": (0.9, 0.999), ...}}}
+    {"state": {fqn: {"exp_avg": DTensor}},
+     "param_to_group_meta": {fqn: ((("betas", (0.9, 0.999)), ("lr", 0.01), ...),
+                                   (("step", 3.0, "float32"),))}}
 
-The state tensors are shared, never copied; the inputs are never mutated.
+Parameter-shaped state tensors are shared, never copied; scalar state (``step``) moves between a
+0-d tensor in torch's ``state[fqn]`` and a plain number in the ``param_to_group_meta`` leaf (a new
+0-d tensor of the recorded dtype on the way back, so ``dcp.load`` can fill it). The inputs are
+never mutated. ``to_torch_state_dict`` also accepts 0.1.0's format 1 (a hyperparameter dict per
+FQN, ``step`` inside ``state[fqn]``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ._values import EXCLUDED_GROUP_KEYS, to_plain
+import torch
+from torch.distributed.tensor import DTensor
+
+from ._load import as_format1
+from ._values import EXCLUDED_GROUP_KEYS, dtype_name, to_plain
 
 __all__ = ["from_torch_state_dict", "to_torch_state_dict"]
 
 
 def from_torch_state_dict(osd: dict) -> dict:
-    """torch's unflattened optimizer state dict -> fsdp_dtensor layout (tensors shared)."""
+    """torch's unflattened optimizer state dict -> fsdp_dtensor layout, format 2 (DTensors and
+    other non-0-d tensors shared in ``state``; 0-d tensors and plain values, i.e. ``step``, as
+    numbers in the ``param_to_group_meta`` leaf)."""
     if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
         got = sorted(osd) if isinstance(osd, dict) else type(osd).__name__
         raise ValueError(f"expected {{'state': ..., 'param_groups': [...]}}, got {got}")
@@ -34,24 +45,45 @@ def from_torch_state_dict(osd: dict) -> dict:
             f"state entries {flat[:5]} are not dicts: this looks like a flattened optimizer state "
             "dict (flatten_optimizer_state_dict=True); pass the unflattened one"
         )
-    meta: dict[str, dict[str, Any]] = {}
+    hyper_of: dict[str, tuple] = {}
     for gi, group in enumerate(osd["param_groups"]):
-        hyper = {k: v for k, v in group.items() if k not in EXCLUDED_GROUP_KEYS}
+        hyper = tuple(sorted(
+            (k, to_plain(v, f"param_groups[{gi}][{k!r}]")) for k, v in group.items()
+            if k not in EXCLUDED_GROUP_KEYS))
         for fqn in group["params"]:
             if not isinstance(fqn, str):
                 raise ValueError(
                     f"param_groups[{gi}]['params'] holds {type(fqn).__name__} ids, not FQNs: pass "
                     "the state dict of get_optimizer_state_dict, not optimizer.state_dict()"
                 )
-            if fqn in meta:
+            if fqn in hyper_of:
                 raise ValueError(f"{fqn!r} appears in more than one param group")
-            meta[fqn] = dict(hyper)
-    return {"state": {fqn: dict(entry) for fqn, entry in state.items()},
-            "param_to_group_meta": meta}
+            hyper_of[fqn] = hyper
+    tensors: dict[str, dict] = {}
+    scalars: dict[str, tuple] = {}
+    for fqn, entry in state.items():
+        tensors[fqn] = {k: v for k, v in entry.items() if _is_param_shaped(v)}
+        scalars[fqn] = tuple(sorted(_scalar(fqn, k, v) for k, v in entry.items()
+                                    if not _is_param_shaped(v)))
+    return {"state": {fqn: e for fqn, e in tensors.items() if e},
+            "param_to_group_meta": {fqn: (hyper, scalars.get(fqn, ()))
+                                    for fqn, hyper in hyper_of.items()}}
+
+
+def _is_param_shaped(value: Any) -> bool:
+    """A DTensor, or a plain tensor that is not 0-d: state that lives in ``state[fqn]``."""
+    return isinstance(value, DTensor) or (isinstance(value, torch.Tensor) and value.dim() > 0)
+
+
+def _scalar(fqn: str, key: str, value: Any) -> tuple[str, Any, str | None]:
+    if isinstance(value, torch.Tensor):
+        return key, value.item(), dtype_name(value.dtype)
+    return key, to_plain(value, f"state[{fqn!r}][{key!r}]"), None
 
 
 def to_torch_state_dict(sd: dict) -> dict:
-    """fsdp_dtensor layout -> torch's unflattened optimizer state dict (tensors shared).
+    """fsdp_dtensor layout (format 2 or 1) -> torch's unflattened optimizer state dict
+    (parameter-shaped tensors shared, ``step`` a new 0-d tensor).
 
     Params whose hyperparameters are equal form one group, in first-seen order; groups that held
     equal hyperparameters in the original optimizer therefore merge, which torch's
@@ -60,6 +92,7 @@ def to_torch_state_dict(sd: dict) -> dict:
     if not isinstance(sd, dict) or set(sd) != {"state", "param_to_group_meta"}:
         got = sorted(sd) if isinstance(sd, dict) else type(sd).__name__
         raise ValueError(f"expected {{'state': ..., 'param_to_group_meta': ...}}, got {got}")
+    sd = as_format1(sd)
     groups: dict[tuple, dict] = {}
     for fqn, hyper in sd["param_to_group_meta"].items():
         key = to_plain(tuple(sorted(hyper.items())), f"param_to_group_meta[{fqn!r}]")

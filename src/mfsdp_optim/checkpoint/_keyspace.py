@@ -1,34 +1,53 @@
-"""The rank-consistent keyspace, learned with ONE collective for the whole state dict.
+"""The rank-consistent keyspace: derived locally on every rank, agreed with a fixed-size digest.
 
-Each rank describes what its own base optimizer holds, compactly::
+Each rank describes what its own base optimizer holds and what the state dict it is about to emit
+depends on:
+
+* per FQN of ``records`` (every param this rank holds a shard of, an empty one included): the
+  *tensor signature*, the sorted ``(state key, dtype)`` of its parameter-shaped state. A rank
+  whose base optimizer does not hold the param (the empty-shard filter dropped it) derives it
+  from the base optimizer's class: one zero-element scratch step per dtype with the class's
+  ``defaults``, see :func:`derive_signature`. The keys are a property of the optimizer, not of
+  the shard. (A param held without state has the signature ``()``.)
+* the set of distinct *leaves* (hyperparameters + scalar state, see ``_build``) it will emit.
+
+The common case needs no exchange of keys at all: every rank hashes both into a 2 x 64-bit
+digest and ONE ``all_reduce(MAX)`` of ``[d, -d]`` (32 bytes per rank, whatever the world size)
+tells every rank whether all digests are equal. Only when they differ (ranks hold different
+FQNs, as in pipeline or expert parallelism; a filtered rank whose derived keys differ from the
+owners'; a real disagreement) does every rank fall back to the detailed exchange: one
+``all_gather_object`` of each rank's compact description, merged the same way on every rank, so
+every rank reaches the same keyspace and the same errors and can name what differs. The
+decision to fall back is the all-reduce's result, identical on every rank, so every rank issues
+the same collectives in the same order. Nothing is raised before a collective.
+
+The detailed description (the fallback's payload)::
 
     {"slots":  [((key, kind, dtype, value), ...), ...],   # distinct state signatures
      "metas":  [((hyperparameter, value), ...), ...],     # distinct group hyperparameters
      "fqns":   {fqn: (slot_index or -1, meta_index)},     # params this rank's optimizer holds
      "errors": [str, ...]}                                # what this rank could not describe
-
-(``value`` is the scalar of a ``"s"``/``"n"`` slot such as ``step``, ``None`` for tensors; a
-model's params share a handful of signatures, so the description is about one FQN string per
-param.) One ``all_gather_object`` over the group hands every rank every description, and every
-rank merges them the same way, so every rank reaches the same keyspace and the same errors:
-nothing is raised before the collective, so no rank is left waiting in it.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import copy
+import hashlib
+from collections import OrderedDict, defaultdict
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from .._comm import all_gather_objects
+from .._comm import all_gather_objects, all_reduce_max
 from .._params import ParamRecord
 from ._layout import Slot, StateLayoutError, classify
-from ._values import PlainValueError, group_meta
+from ._values import PlainValueError, dtype_name, group_meta
 
-__all__ = ["Keyspace", "LocalState", "describe", "gather", "merge"]
+__all__ = ["Keyspace", "LocalState", "agree", "derive_signature", "describe", "gather", "merge"]
+
+Signature = tuple[tuple[str, str], ...]  # sorted (state key, dtype name) of parameter-shaped state
 
 
 class LocalState(NamedTuple):
@@ -37,6 +56,7 @@ class LocalState(NamedTuple):
     state: dict[str, dict[str, tuple[Slot, Any]]]
     meta: dict[str, dict[str, Any]]
     description: dict
+    signatures: dict[str, Signature]  # every record's tensor signature, derived where no state
 
 
 class Keyspace(NamedTuple):
@@ -48,6 +68,31 @@ class Keyspace(NamedTuple):
 
 def _group_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
     return {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+
+
+def derive_signature(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype,
+                     ) -> Signature:
+    """The parameter-shaped state keys and dtypes that ``type(optimizer)``'s first step creates
+    for a param of ``dtype`` in a group with ``group``'s hyperparameters, learned by stepping a
+    scratch copy on ONE zero-element param (nothing of ``optimizer`` is touched). Keys whose first
+    step creates none (SGD without momentum) give ``()``; an optimizer that cannot be stepped this
+    way (a closure, sparse grads) gives ``(("?", "?"),)``, which never matches a real signature, so
+    the agreement falls back to learning the keys from the ranks that hold them."""
+    scratch = copy.copy(optimizer)
+    scratch.state = defaultdict(dict)
+    scratch._optimizer_step_pre_hooks = OrderedDict()
+    scratch._optimizer_step_post_hooks = OrderedDict()
+    p = torch.zeros(0, dtype=dtype)
+    p.grad = torch.zeros_like(p)
+    scratch.param_groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [p]}]
+    try:
+        with torch.no_grad():
+            type(optimizer).step(scratch)
+    except Exception:  # noqa: BLE001 - any failure just means "learn it from the owners"
+        return (("?", "?"),)
+    new = scratch.state.get(p) or {}
+    return tuple(sorted((k, dtype_name(v.dtype)) for k, v in new.items()
+                        if isinstance(v, torch.Tensor) and v.shape == p.shape))
 
 
 def describe(optimizer: torch.optim.Optimizer, records: Sequence[ParamRecord]) -> LocalState:
@@ -112,14 +157,74 @@ def describe(optimizer: torch.optim.Optimizer, records: Sequence[ParamRecord]) -
                 slots.append(sig)
         fqns[rec.fqn] = (sid, meta_index[group_of[id(rec.opt_param)]])
     description = {"slots": slots, "metas": metas, "fqns": fqns, "errors": errors}
-    return LocalState(state, meta, description)
+    signatures = _signatures(optimizer, records, state, group_of)
+    return LocalState(state, meta, description, signatures)
+
+
+def _signatures(optimizer, records, state, group_of) -> dict[str, Signature]:
+    """Every record's tensor signature: from its live state; ``()`` where the optimizer holds the
+    param without state; derived from the class's defaults where the empty-shard filter dropped
+    it (cached per dtype: a handful of zero-element steps at most)."""
+    derived: dict[torch.dtype, Signature] = {}
+    out: dict[str, Signature] = {}
+    for rec in records:
+        entries = state.get(rec.fqn)
+        if entries is not None:
+            out[rec.fqn] = tuple(sorted((k, s.dtype or "") for k, (s, _) in entries.items()
+                                        if s.kind == "t"))
+            continue
+        if rec.opt_param is not None:
+            out[rec.fqn] = ()  # held but never stepped here: no state, as on its other ranks
+            continue
+        # dropped by the empty-shard filter: not in any group here, so the class's defaults
+        if rec.param.dtype not in derived:
+            derived[rec.param.dtype] = derive_signature(optimizer, optimizer.defaults,
+                                                        rec.param.dtype)
+        out[rec.fqn] = derived[rec.param.dtype]
+    return out
+
+
+def digest(local: LocalState, leaves: Sequence[Any]) -> list[int]:
+    """Two 62-bit hashes: of every record's (fqn, tensor signature) in order, and of the sorted
+    set of distinct leaves this rank emits. Equal on every rank iff (up to hash collisions) the
+    ranks hold the same FQNs with the same parameter-shaped keys and emit the same leaves."""
+    out = []
+    # repr, not pickle: pickle's memo makes equal values that share objects serialise apart
+    for part in (repr(tuple(local.signatures.items())), repr(sorted({repr(v) for v in leaves}))):
+        h = hashlib.blake2b(part.encode(), digest_size=8).digest()
+        out.append(int.from_bytes(h, "little") >> 2)
+    if local.description["errors"]:
+        out[0] = -1  # a rank that could not describe itself forces the detailed path
+    return out
+
+
+def agree(values: list[int], group: dist.ProcessGroup | None) -> bool:
+    """True on every rank iff every rank of ``group`` passed the same ``values``: ONE
+    ``all_reduce(MAX)`` of ``[v, -v]`` (16 bytes per value, independent of the world size)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    both = torch.tensor(values + [-v for v in values], dtype=torch.int64)
+    top = all_reduce_max(both, group).tolist()
+    n = len(values)
+    return all(top[i] == -top[n + i] for i in range(n))
 
 
 def gather(description: dict, group: dist.ProcessGroup | None) -> list[dict]:
-    """Every rank's description: the keyspace's one collective (none without a process group)."""
+    """Every rank's description: the detailed fallback (none without a process group)."""
     if not (dist.is_available() and dist.is_initialized()):
         return [description]
     return all_gather_objects(description, group)
+
+
+def local_keyspace(local: LocalState) -> Keyspace:
+    """The keyspace of this rank alone: what every rank holds when the digests agree."""
+    state: dict[str, tuple[tuple[str, Slot], ...]] = {}
+    for fqn, entries in local.state.items():
+        state[fqn] = tuple((k, s) for k, (s, _) in sorted(entries.items()))
+    for fqn, sig in local.signatures.items():
+        if fqn not in state and sig:  # held without state here: the derived keys
+            state[fqn] = tuple((k, Slot("t", dt, None)) for k, dt in sig)
+    return Keyspace(state, dict(local.meta))
 
 
 def merge(descriptions: list[dict]) -> tuple[Keyspace, list[str]]:
@@ -156,5 +261,11 @@ def merge(descriptions: list[dict]) -> tuple[Keyspace, list[str]]:
                 errors.append(
                     f"{fqn!r}: ranks hold different state keys or dtypes: "
                     f"{list(shape_of[fqn])} vs rank {rank}: {list(structure)}"
+                )
+            elif state[fqn] != tuple((k, Slot(kind, dtype, v)) for k, kind, dtype, v in sig):
+                errors.append(
+                    f"{fqn!r}: ranks hold different scalar state: "
+                    f"{[(k, s.value) for k, s in state[fqn] if s.kind != 't']} vs rank {rank}: "
+                    f"{[(k, v) for k, kind, _, v in sig if kind != 't']} (DCP would keep one)"
                 )
     return Keyspace(state, meta), errors

@@ -6,8 +6,14 @@ the tensor work left is a no-op; what remains is restoring hyperparameters (grou
 included), scalar state (per-param ``step``) and re-binding FQN-keyed state. A state dict from
 elsewhere (``from_torch_state_dict`` of a separately loaded dict) is copied into the live state.
 
-A param that has ``param_to_group_meta`` but no ``state`` entry had no state when it was saved
-(never stepped): its live state is dropped, so the optimizer is exactly as the saved one was.
+A param that has ``param_to_group_meta`` but neither ``state`` tensors nor scalars had no state
+when it was saved (never stepped): its live state is dropped, so the optimizer is exactly as the
+saved one was.
+
+Both layouts load: format 2 (``param_to_group_meta[fqn]`` one ``(hyperparameters, scalars)``
+tuple, ``state[fqn]`` tensors only) and 0.1.0's format 1 (``param_to_group_meta[fqn]`` a dict of
+hyperparameters, ``step`` inside ``state[fqn]``); :func:`as_format1` turns the first into the
+second, which the checks and the restore work on.
 """
 
 from __future__ import annotations
@@ -19,18 +25,64 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .._comm import all_gather_objects
+from .._comm import all_gather_objects, all_reduce_max
 from .._params import ParamRecord
 from ._layout import Slot, StateLayoutError, classify, local_shape
-from ._values import EXCLUDED_GROUP_KEYS, PlainValueError, restore_like, to_plain
+from ._values import (
+    EXCLUDED_GROUP_KEYS,
+    PlainValueError,
+    dtype_from_name,
+    restore_like,
+    to_plain,
+)
 
-__all__ = ["StateDictMismatchError", "load_sharded_state_dict"]
+__all__ = ["StateDictMismatchError", "as_format1", "load_sharded_state_dict"]
 
 _TOP_KEYS = {"state", "param_to_group_meta"}
 
 
 class StateDictMismatchError(ValueError):
     """The state dict does not fit the live optimizer; raised on every rank, nothing changed."""
+
+
+def _scalar_value(fqn: str, item: Any) -> tuple[str, Any]:
+    """``(key, value)`` of one ``(key, value, dtype)`` scalar triple of a format-2 leaf."""
+    if not (isinstance(item, tuple) and len(item) == 3 and isinstance(item[0], str)):
+        raise ValueError(f"param_to_group_meta {fqn!r}: a scalar entry must be (key, value, "
+                         f"dtype name or None), got {item!r}")
+    key, value, dtype = item
+    return key, value if dtype is None else torch.tensor(value, dtype=dtype_from_name(dtype))
+
+
+def as_format1(sd: dict) -> dict:
+    """``sd`` with every format-2 ``param_to_group_meta`` leaf ``(hyperparameters, scalars)``
+    turned into 0.1.0's form: a hyperparameter dict, and the scalars (as 0-d tensors of their
+    dtype, or plain values) back inside ``state[fqn]``. Format-1 entries pass through; tensors
+    are shared, ``sd`` is not mutated. Raises ``ValueError`` naming the FQN of a malformed leaf."""
+    if not isinstance(sd, dict) or not isinstance(sd.get("param_to_group_meta"), dict) or (
+            not isinstance(sd.get("state"), dict)):
+        return sd
+    state = dict(sd["state"])
+    meta: dict[str, Any] = {}
+    for fqn, leaf in sd["param_to_group_meta"].items():
+        if not isinstance(leaf, tuple):
+            meta[fqn] = leaf
+            continue
+        if len(leaf) != 2 or not all(isinstance(part, tuple) for part in leaf):
+            raise ValueError(f"param_to_group_meta {fqn!r}: expected a dict (format 1) or a "
+                             f"(hyperparameters, scalars) tuple (format 2), got {leaf!r}")
+        hyper, scalars = leaf
+        if not all(isinstance(kv, tuple) and len(kv) == 2 for kv in hyper):
+            raise ValueError(f"param_to_group_meta {fqn!r}: hyperparameters must be (name, "
+                             f"value) pairs, got {hyper!r}")
+        meta[fqn] = dict(hyper)
+        if scalars:
+            entry = dict(state.get(fqn) or {})
+            for item in scalars:
+                key, value = _scalar_value(fqn, item)
+                entry.setdefault(key, value)
+            state[fqn] = entry
+    return {**sd, "state": state, "param_to_group_meta": meta}
 
 
 def _listing(what: str, names) -> list[str]:
@@ -151,9 +203,13 @@ def _validate(optimizer, records: Sequence[ParamRecord], sd: Any) -> list[str]:
 
 
 def _agree(errors: list[str], group) -> list[str]:
-    """Every rank's errors, on every rank: the load's one collective."""
+    """Every rank's errors, on every rank: ONE ``all_reduce(MAX)`` of an 8-byte flag, and only
+    when some rank found something, an ``all_gather_object`` of the messages to list them."""
     if not (dist.is_available() and dist.is_initialized()):
         return errors
+    flag = all_reduce_max(torch.tensor([1 if errors else 0], dtype=torch.int64), group)
+    if not int(flag[0]):
+        return []
     gathered = all_gather_objects(errors, group)
     by_message: dict[str, list[int]] = {}
     for rank, errs in enumerate(gathered):
@@ -223,10 +279,12 @@ def load_sharded_state_dict(
     ``param_to_group_meta`` (missing); hyperparameter names against the live param group; state
     keys against the live state; DTensor global shape, mesh, placements and dtype against the param
     and the live state; scalars. Every rank of ``group`` (default WORLD) then shares its findings
-    in ONE ``all_gather_object``; if any rank found anything, every rank raises
+    with ONE ``all_reduce`` (and, only when some rank found something, an ``all_gather_object``
+    of the messages); if any rank found anything, every rank raises
     ``StateDictMismatchError`` (a ``ValueError``) listing all of it, and no optimizer changed.
     """
     try:
+        state_dict = as_format1(state_dict)
         errors = _validate(optimizer, records, state_dict)
     except Exception as exc:  # never leave the other ranks waiting in the collective
         errors = [f"validation failed: {type(exc).__name__}: {exc}"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["prune_to_checkpoint", "read_metadata"]
+__all__ = ["checkpoint_format", "prune_to_checkpoint", "read_metadata"]
 
 
 def read_metadata(checkpoint: Any):
@@ -30,18 +30,36 @@ def read_metadata(checkpoint: Any):
     return checkpoint.read_metadata()
 
 
+def checkpoint_format(state_dict_metadata, fqns, prefix: str = "optimizer") -> int:
+    """2 when the checkpoint holds ``<prefix>.param_to_group_meta.<fqn>`` leaves (0.2.0 and
+    later), 1 when it holds 0.1.0's ``<prefix>.param_to_group_meta.<fqn>.<name>`` entries
+    instead; 2 when it holds neither (torch's layout, or no optimizer under ``prefix``)."""
+    head = f"{prefix}.param_to_group_meta."
+    if any(head + fqn in state_dict_metadata for fqn in fqns):
+        return 2
+    return 1 if any(k.startswith(head) for k in state_dict_metadata) else 2
+
+
 def prune_to_checkpoint(state_dict: dict, checkpoint: Any, *, prefix: str = "optimizer") -> dict:
-    """``state_dict`` without the ``state`` entries of params the checkpoint has no state for.
+    """``state_dict`` made to fit what the checkpoint holds: without the ``state`` entries of
+    params the checkpoint has no state for, and in 0.1.0's layout when the checkpoint is one.
 
     A checkpoint saved when some params had never stepped holds no ``state`` for them, and
     ``dcp.load`` refuses a target with keys the checkpoint lacks ("Missing key in checkpoint").
     Build the target with ``is_loading=True``, prune it, load it; ``load_sharded_state_dict`` then
     drops the state of those params, as they were when saved. Only whole params are pruned: a
     param whose checkpoint entry lacks some keys stays, so the load reports the mismatch.
-    Works on both layouts (``state`` keyed by FQN); tensors are shared, the input is not mutated.
-    ``prefix`` is the key the optimizer state dict was saved under.
+    A checkpoint written by 0.1.0 (format 1: a dict of hyperparameters per FQN, ``step`` in
+    ``state``) gets a target in that layout (``as_format1``), which ``load_sharded_state_dict``
+    accepts as well. Works on both layouts (``state`` keyed by FQN); tensors are shared, the
+    input is not mutated. ``prefix`` is the key the optimizer state dict was saved under.
     """
+    from ._load import as_format1
+
     md = read_metadata(checkpoint).state_dict_metadata
+    meta = state_dict.get("param_to_group_meta")
+    if isinstance(meta, dict) and checkpoint_format(md, meta, prefix) == 1:
+        state_dict = as_format1(state_dict)
     kept = {}
     for fqn, entry in state_dict["state"].items():
         if any(f"{prefix}.state.{fqn}.{key}" in md for key in entry):

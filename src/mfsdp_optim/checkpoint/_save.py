@@ -173,7 +173,9 @@ def _signature(value: Any, values: bool, meshes: dict[int, tuple]) -> tuple:
                  else None)
         return ("tensor", tuple(value.shape), str(value.dtype), shown)
     text = repr(value) if values else ""
-    return ("object", type(value).__name__, text if len(text) <= 200 else text[:200] + "...")
+    if len(text) > 200:  # shown cut short, compared whole
+        text = text[:200] + "... (sha256 " + hashlib.sha256(text.encode()).hexdigest()[:16] + ")"
+    return ("object", type(value).__name__, text)
 
 
 def _signatures(state_dict: Mapping, values: bool) -> dict[str, tuple]:

@@ -1,0 +1,75 @@
+"""Checkpoint formats: the checked-in 0.1.0 checkpoint (tests/data/ckpt_v0_1_0, see _v010.py)
+still loads bit for bit, on its own world size and resharded."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from _v010 import GROUPS, STEPS, sharded_model, train, train_sharded
+from _checkpoint_helpers import same
+
+from mfsdp_optim.checkpoint import (
+    build_sharded_state_dict,
+    load_checkpoint,
+    load_sharded_state_dict,
+    prune_to_checkpoint,
+)
+
+V010 = os.path.join(os.path.dirname(__file__), "data", "ckpt_v0_1_0")
+
+
+def _full(optimizer, records) -> dict:
+    """{fqn: {key: full tensor}} of the live optimizer (collective: full_tensor)."""
+    out = {}
+    for r in records:
+        live = optimizer.state.get(r.param)
+        if live:
+            out[r.fqn] = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v.clone())
+                          for k, v in sorted(live.items())}
+    return out
+
+
+def _recompute():
+    """The state the 0.1.0 save held, recomputed now on the same world size (2 ranks)."""
+    records, opt = sharded_model()
+    train_sharded(records, opt)
+    return _full(opt, records)
+
+
+def _load_v010(path, via):
+    records, opt = sharded_model()
+    for g in opt.param_groups:
+        g["lr"] = 123.0  # the load must restore the saved hyperparameters
+    target = build_sharded_state_dict(opt, records, is_loading=True)
+    target = prune_to_checkpoint(target, path)  # "frozen" had no state when saved
+    if via == "load_checkpoint":
+        load_checkpoint({"optimizer": target}, path)
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load({"optimizer": target}, checkpoint_id=path)
+    load_sharded_state_dict(opt, records, target)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return _full(opt, records), groups
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_v0_1_0_checkpoint_loads_bit_for_bit(ranks, world):
+    want = ranks(2).run(_recompute)[0]
+    ref, ref_hyper = train()
+    # precondition: the recomputation is the training the checkpoint holds (float32 rounding
+    # apart, sharded against unsharded), and "frozen" really has no state
+    assert set(want) == set(ref) == {"enc.weight", "enc.bias", "head.weight"}
+    for fqn in ref:
+        for k in ref[fqn]:
+            assert torch.allclose(want[fqn][k], ref[fqn][k], rtol=1e-6, atol=1e-7), (fqn, k)
+    assert float(want["enc.weight"]["step"]) == STEPS
+    for via in ("load_checkpoint", "dcp.load"):
+        out = ranks(world).run(_load_v010, V010, via)
+        for state, groups in out:
+            assert same(state, want), f"{via} on {world} ranks"
+            for g, saved in zip(groups, GROUPS, strict=True):
+                assert all(g[k] == v for k, v in saved.items()), (g, saved)
+            assert groups[0] == {k: v for k, v in ref_hyper["enc.weight"].items()}
