@@ -197,23 +197,32 @@ class FastAdamStep:
             for gc in self._groups:
                 gc.grads.clear()
 
+    def skips_on_device(self) -> bool:
+        """Every group is fused: its kernels take ``found_inf`` and skip the update on the
+        device (torch's ``_fused_adam`` contract), step counters restored."""
+        return self._groups is not None and all(bool(gc.group.get("fused"))
+                                                for gc in self._groups)
+
     def step(self, optimizer: torch.optim.Optimizer, grad_devices: set[torch.device],
-             grad_scale: torch.Tensor | None = None, triton: Any = None) -> None:
+             grad_scale: torch.Tensor | None = None, triton: Any = None,
+             found_inf: torch.Tensor | None = None) -> None:
         """``Adam.step()`` on the cached lists and the collected grads; ``grad_devices``: the
         devices of all the work grads (the direct fused call needs them on the group's);
         ``grad_scale``: what ``Adam.step()`` would read from ``optimizer.grad_scale`` (fused
         groups only; the wrapper's folded clip); ``triton``: the opt-in
-        :class:`~mfsdp_optim._triton_adam.TritonAdam` for direct fused groups, or None."""
+        :class:`~mfsdp_optim._triton_adam.TritonAdam` for direct fused groups, or None;
+        ``found_inf``: a float32 0/1 tensor, fused groups only (see :meth:`skips_on_device`):
+        the update is skipped on the device where it is 1."""
         assert self._groups is not None
         optimizer._accelerator_graph_capture_health_check()
         with torch.no_grad():
             for gc in self._groups:
                 direct = gc.device is not None and all(d == gc.device for d in grad_devices)
-                self._step_group(gc, direct, grad_scale, triton)
+                self._step_group(gc, direct, grad_scale, triton, found_inf)
 
     @staticmethod
     def _step_group(gc: _GroupCache, direct: bool, grad_scale: torch.Tensor | None,
-                    triton: Any = None) -> None:
+                    triton: Any = None, found_inf: torch.Tensor | None = None) -> None:
         group = gc.group
         grads = gc.grads
         params, exp_avgs, exp_avg_sqs = gc.params, gc.exp_avgs, gc.exp_avg_sqs
@@ -240,11 +249,13 @@ class FastAdamStep:
                 beta2 = beta2.squeeze()
             if torch.is_tensor(lr) and str(lr.device) != "cpu" and lr.device != device:
                 lr = lr.to(device=device, non_blocking=True)
-            if triton is not None and triton.step(group, params, grads, exp_avgs, exp_avg_sqs,
-                                                  steps, grad_scale):
+            if found_inf is None and triton is not None and triton.step(
+                    group, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale):
                 return
             if grad_scale is not None:
                 grad_scale = grad_scale.to(device, non_blocking=True)
+            if found_inf is not None:
+                found_inf = found_inf.to(device, non_blocking=True)
             torch._foreach_add_(steps, 1)
             func = (torch._fused_adamw_ if group["decoupled_weight_decay"]
                     else torch._fused_adam_)
@@ -252,8 +263,10 @@ class FastAdamStep:
                 params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
                 amsgrad=group["amsgrad"], lr=lr, beta1=beta1, beta2=beta2,
                 weight_decay=group["weight_decay"], eps=group["eps"],
-                maximize=group["maximize"], grad_scale=grad_scale, found_inf=None,
+                maximize=group["maximize"], grad_scale=grad_scale, found_inf=found_inf,
             )
+            if found_inf is not None:  # a skipped update leaves the counters where they were
+                torch._foreach_sub_(steps, [found_inf] * len(steps))
             return
         # exactly the call Adam.step() makes after _init_group
         _functional_adam(
@@ -262,6 +275,6 @@ class FastAdamStep:
             lr=lr, weight_decay=group["weight_decay"], eps=group["eps"],
             maximize=group["maximize"], foreach=group["foreach"],
             capturable=group["capturable"], differentiable=group["differentiable"],
-            fused=group["fused"], grad_scale=grad_scale, found_inf=None,
+            fused=group["fused"], grad_scale=grad_scale, found_inf=found_inf,
             decoupled_weight_decay=group["decoupled_weight_decay"],
         )

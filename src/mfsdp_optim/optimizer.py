@@ -253,16 +253,19 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         self._fast.clear()
         self._fast_token = None
 
-    def _run_base_step(self, grad_divisor: torch.Tensor | None = None) -> None:
+    def _run_base_step(self, grad_divisor: torch.Tensor | None = None,
+                       found_inf: torch.Tensor | None = None) -> None:
         """The base step on the prepared grads, then restore cast grads. ``grad_divisor``: a
-        folded clip (``route.fold_clip``), handed to the fused step as its ``grad_scale``."""
+        folded clip (``route.fold_clip``), handed to the fused step as its ``grad_scale``;
+        ``found_inf``: skip on the device (only where :meth:`_skips_on_device`)."""
         opt, table = self.optimizer, self._table
         try:
             if self._fast_token is not None and self._fast.ready(opt, table):
                 devices = {k[0] for k in self._preparer.work_locals}
-                self._fast.step(opt, devices, grad_divisor, self._triton)
+                self._fast.step(opt, devices, grad_divisor, self._triton, found_inf)
                 self.fast_steps += 1
             else:
+                assert found_inf is None, "a device-side skip needs the fast step"
                 self._fast.clear()
                 base_step(opt, table.slots, decoupled=self._decoupled_grad,
                           grad_scale=grad_divisor)
@@ -382,16 +385,21 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         scaler = self.grad_scaler
         on_host = self.config.host_sync
         result = _StepResult(stats)
+        device_skip = None
         if scaler is not None:
-            found_inf = result.found_inf()  # the skip decision (a host read; see docs)
-            scaler.update(found_inf)
-            if found_inf:
-                self._fast.clear()
-                self._fast_token = None
-                self._preparer.restore(self._table.slots)
-                self._stage = Stage.STEPPED
-                self.last_update_successful = False
-                return result.values(False, on_host)
+            if not on_host and self._skips_on_device():
+                device_skip = stats.found_inf
+                scaler.update(device_skip)  # on the device: no host read
+            else:
+                found_inf = result.found_inf()  # the skip decision: one host read
+                scaler.update(found_inf)
+                if found_inf:
+                    self._fast.clear()
+                    self._fast_token = None
+                    self._preparer.restore(self._table.slots)
+                    self._stage = Stage.STEPPED
+                    self.last_update_successful = False
+                    return result.values(False, on_host)
         divisor = None
         clip = self.config.clip_grad
         if clip > 0:
@@ -401,11 +409,22 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
             else:
                 scale_by_clip_coef_(self._preparer.work_locals, clip, stats.total_norm)
         try:
-            self._run_base_step(divisor)
+            self._run_base_step(divisor, None if device_skip is None
+                                else device_skip.to(torch.float32))
         finally:
             self._stage = Stage.STEPPED
+        if device_skip is not None:
+            self.last_update_successful = None  # decided on the device: see step()'s result
+            return ~device_skip, stats.total_norm, stats.num_zeros
         self.last_update_successful = True
         return result.values(True, on_host)
+
+    def _skips_on_device(self) -> bool:
+        """Whether this step can skip an update on the device: the fast Adam step will run and
+        every group is fused (torch's fused kernels take ``found_inf``). Elsewhere a skip needs
+        a host read of found_inf (see ``docs/concepts.md``)."""
+        return (self._fast_token is not None and self._fast.ready(self.optimizer, self._table)
+                and self._fast.skips_on_device())
 
     # ------------------------------------------------------------------------------------------
     # checkpoints and grad scaler state
