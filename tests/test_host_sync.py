@@ -1,0 +1,186 @@
+"""``OptimizerConfig(host_sync=False)``: device tensors back, no host reads, the same trajectory.
+
+Two wrappers over identical params train side by side on the same grads, one with the default
+``host_sync=True`` and one with ``host_sync=False``, with clipping and a DynamicGradScaler whose
+factors are not powers of two (so float32 and float64 scale arithmetic would drift apart), and
+with infs planted on one rank at some steps (skips, hysteresis, back-off, growth). After every
+step params, optimizer state, step counters, scaler state and the returned values must be equal
+bit for bit. Host reads (``item``, ``tolist``, ``__bool__``, ``__float__``, ``__int__``) inside
+``step()`` are counted with a TorchFunctionMode: none on the device-skip path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+SHAPES = [(6, 4), (5,), (3, 3), (1, 4)]
+INF_STEPS = {3, 4, 7}
+HOST_READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy"}
+
+
+class CountHostReads(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _rank_pair(opt_kw: dict, steps: int = 10):
+    import torch.distributed as dist
+    from _layouts import get_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from mfsdp_optim import DynamicGradScaler, FullyShardedOptimizer, OptimizerConfig
+
+    mesh = get_mesh((dist.get_world_size(),))
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def local(full):
+        return torch.chunk(full, world)[rank] if full.shape[0] >= world or rank == 0 else (
+            full[:0])
+
+    def dparam(full):
+        return torch.nn.Parameter(DTensor.from_local(local(full).clone(), mesh, [Shard(0)],
+                                                     run_check=False, shape=full.shape,
+                                                     stride=full.stride()))
+
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=gen) for s in SHAPES]
+    opts, params = [], []
+    for host_sync in (True, False):
+        ps = [dparam(t) for t in init]
+        scaler = DynamicGradScaler(2.0**10, growth_factor=1.5, backoff_factor=0.3,
+                                   growth_interval=2, hysteresis=2)
+        opts.append(FullyShardedOptimizer(
+            torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, **opt_kw),
+            OptimizerConfig(clip_grad=0.5, log_num_zeros_in_grad=True, host_sync=host_sync),
+            grad_scaler=scaler))
+        params.append(ps)
+    out = {"reads": [], "ok": [], "scales": []}
+    for step in range(steps):
+        g_gen = torch.Generator().manual_seed(100 + step)
+        fulls = [torch.randn(s, generator=g_gen) * 3 for s in SHAPES]
+        for ps, opt in zip(params, opts):
+            for p, g in zip(ps, fulls):
+                lg = local(g).clone() * opt.grad_scaler.scale_on("cpu")
+                if step in INF_STEPS and rank == world - 1 and lg.numel():
+                    lg.view(-1)[0] = float("inf")
+                p.grad = DTensor.from_local(lg, mesh, [Shard(0)], run_check=False,
+                                            shape=g.shape, stride=g.stride())
+        host = opts[0].step()
+        counter = CountHostReads()
+        with counter:
+            dev = opts[1].step()
+        out["reads"].append(len(counter.reads))
+        assert isinstance(dev[0], torch.Tensor) and isinstance(dev[1], torch.Tensor)
+        got = (bool(dev[0]), float(dev[1]), int(dev[2]))
+        assert got[0] == host[0] and got[2] == host[2], (step, got, host)
+        assert got[1] == host[1] or (got[1] != got[1] and host[1] != host[1]), (step, got, host)
+        out["ok"].append(host[0])
+        for a, b in zip(*params):
+            assert torch.equal(a._local_tensor, b._local_tensor), step
+            sa, sb = opts[0].state.get(a, {}), opts[1].state.get(b, {})
+            assert set(sa) == set(sb), step
+            for k in sa:
+                va, vb = sa[k], sb[k]
+                va = va._local_tensor if isinstance(va, DTensor) else va
+                vb = vb._local_tensor if isinstance(vb, DTensor) else vb
+                assert torch.equal(va, vb), (step, k)
+        assert opts[0].grad_scaler.state_dict() == opts[1].grad_scaler.state_dict(), step
+        out["scales"].append(opts[0].grad_scaler.get_scale())
+        for opt in opts:
+            opt.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["fused", "foreach"])
+def test_host_sync_false_same_trajectory(ranks, mode):
+    results = ranks(2).run(_rank_pair, {mode: True})
+    for out in results:
+        # steps 3 and 4 skipped (hysteresis 2: the second backs off), 7 skipped again
+        assert out["ok"] == [s not in INF_STEPS for s in range(10)], out["ok"]
+        assert len(set(out["scales"])) > 2, out["scales"]  # grew and backed off
+        if mode == "fused":
+            # the first step creates the state (a host read decides its skip); then none
+            assert out["reads"][1:] == [0] * 9, out["reads"]
+    assert results[0]["scales"] == results[1]["scales"]
+
+
+def _rank_no_scaler():
+    import torch.distributed as dist
+    from _layouts import get_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from mfsdp_optim import FullyShardedOptimizer, OptimizerConfig
+
+    mesh = get_mesh((dist.get_world_size(),))
+    p = torch.nn.Parameter(DTensor.from_local(torch.ones(4, 3), mesh, [Shard(0)],
+                                              run_check=False))
+    opt = FullyShardedOptimizer(torch.optim.SGD([p], lr=0.1, momentum=0.9),
+                                OptimizerConfig(clip_grad=1.0, host_sync=False))
+    reads = []
+    for _ in range(3):
+        p.grad = DTensor.from_local(torch.full((4, 3), 2.0), mesh, [Shard(0)], run_check=False)
+        counter = CountHostReads()
+        with counter:
+            ok, norm, zeros = opt.step()
+        reads.append(len(counter.reads))
+        opt.zero_grad()
+    return reads, bool(ok), float(norm), zeros
+
+
+def test_host_sync_false_without_scaler_reads_nothing(ranks):
+    for reads, ok, norm, zeros in ranks(2).run(_rank_no_scaler):
+        assert reads == [0, 0, 0] and ok and zeros is None
+        assert norm == pytest.approx(2.0 * (24**0.5))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_host_sync_false_never_syncs_on_cuda(tmp_path):
+    """World size 1 on NCCL: steady steps of fused AdamW with clipping and a dynamic scaler run
+    under ``torch.cuda.set_sync_debug_mode("error")``, overflowing steps included."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from mfsdp_optim import DynamicGradScaler, FullyShardedOptimizer, OptimizerConfig
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        params = [torch.nn.Parameter(DTensor.from_local(torch.randn(s, device="cuda"), mesh,
+                                                        [Shard(0)], run_check=False))
+                  for s in SHAPES]
+        opt = FullyShardedOptimizer(
+            torch.optim.AdamW(params, lr=0.01, fused=True),
+            OptimizerConfig(clip_grad=0.5, host_sync=False),
+            grad_scaler=DynamicGradScaler(2.0**10, growth_interval=2, hysteresis=1))
+        results = []
+        for step in range(6):
+            for p in params:
+                g = torch.randn(p.shape, device="cuda")
+                if step == 3:
+                    g.view(-1)[0] = float("inf")
+                p.grad = DTensor.from_local(g, mesh, [Shard(0)], run_check=False)
+            if step == 0:  # the first step creates the state (it reads found_inf once)
+                opt.step()
+            else:
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    results.append(opt.step())
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            opt.zero_grad()
+        oks = [bool(r[0]) for r in results]
+        assert oks == [True, True, False, True, True], oks
+        assert opt.fast_steps == 5
+    finally:
+        dist.destroy_process_group()
