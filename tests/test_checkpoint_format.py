@@ -7,8 +7,8 @@ import os
 
 import pytest
 import torch
-from _v010 import GROUPS, STEPS, sharded_model, train, train_sharded
 from _checkpoint_helpers import same
+from _v010 import GROUPS, STEPS, sharded_model, train, train_sharded
 
 from mfsdp_optim.checkpoint import (
     build_sharded_state_dict,

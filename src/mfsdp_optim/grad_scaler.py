@@ -9,6 +9,11 @@ the grad-stats group, so every rank of that group hands the same ``found_inf`` t
 The scale lives in a 0-d float32 tensor; :meth:`GradScaler.scale_on` / :meth:`GradScaler.inv_scale_on`
 hand out cached copies on the grads' device so unscaling never synchronises with the host.
 
+``update(found_inf)`` takes a Python bool, or a 0-d bool tensor (``OptimizerConfig(host_sync=
+False)``): then the scaler keeps its state as device tensors and evolves it there, with the same
+float64 arithmetic as the host rule, so both give the same scales bit for bit; the host values
+(``get_scale()``, ``state_dict()``) are read back only when asked for.
+
 ``state_dict()`` holds plain Python numbers (no tensors), so it pickles, survives ``torch.save`` and
 ``torch.distributed.checkpoint`` as non-tensor data, and is identical on every rank.
 """
@@ -92,6 +97,40 @@ class GradScaler:
     def __init__(self, initial_scale: float):
         self._scale_value = _scale("initial_scale", initial_scale)
         self._cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        # device-held state (update() with a tensor): name -> 0-d tensor; the host fields are
+        # stale while _device_stale is True
+        self._device: dict[str, torch.Tensor] = {}
+        self._device_stale = False
+
+    def _host_fields(self) -> dict[str, Any]:
+        """The state the device copy mirrors (subclasses add their trackers)."""
+        return {"_scale_value": self._scale_value}
+
+    def _to_device(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The device copy of the state on ``device`` (made from the host fields, by fill
+        kernels: no host-to-device copy)."""
+        dev = self._device
+        if not dev or dev["_scale_value"].device != device:
+            self._pull()
+            dev = self._device = {
+                k: torch.full((), v, dtype=torch.float64 if isinstance(v, float) else torch.int64,
+                              device=device)
+                for k, v in self._host_fields().items()}
+        return dev
+
+    def _pull(self) -> None:
+        """Bring device-held state back to the host fields (a host read, only when stale)."""
+        if self._device_stale:
+            for k, t in self._device.items():
+                setattr(self, k, t.item())
+            self._device_stale = False
+
+    def _device_updated(self) -> None:
+        self._device_stale = True
+        dev = self._device
+        scale = dev["_scale_value"]
+        # scale_on/inv_scale_on of this device follow without a host read; others re-derive
+        self._cache = {scale.device: (scale.to(torch.float32), (1.0 / scale).to(torch.float32))}
 
     # -- the scale -------------------------------------------------------------------------
     @property
@@ -113,6 +152,7 @@ class GradScaler:
     def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         pair = self._cache.get(device)
         if pair is None:
+            self._pull()
             pair = (
                 torch.tensor(self._scale_value, dtype=torch.float32, device=device),
                 torch.tensor(1.0 / self._scale_value, dtype=torch.float32, device=device),
@@ -121,16 +161,23 @@ class GradScaler:
         return pair
 
     def _set_scale(self, value: float) -> None:
+        self._device = {}  # a host-side change: the device copy is rebuilt when next needed
         value = float(value)
         if value != self._scale_value:
             self._scale_value = value
             self._cache.clear()
 
     def get_scale(self) -> float:
+        self._pull()
         return self._scale_value
 
+    def needs_unscale(self) -> bool:
+        """Whether grads must be divided by the scale (False only for a known scale of 1),
+        answered without a host read."""
+        return True
+
     # -- evolution and state -----------------------------------------------------------------
-    def update(self, found_inf: bool) -> None:
+    def update(self, found_inf: bool | torch.Tensor) -> None:
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
@@ -140,7 +187,7 @@ class GradScaler:
         raise NotImplementedError
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(scale={self._scale_value})"
+        return f"{type(self).__name__}(scale={self.get_scale()})"
 
 
 class ConstantGradScaler(GradScaler):
@@ -149,8 +196,11 @@ class ConstantGradScaler(GradScaler):
     def __init__(self, scale: float):
         super().__init__(scale)
 
-    def update(self, found_inf: bool) -> None:
+    def update(self, found_inf: bool | torch.Tensor) -> None:
         pass
+
+    def needs_unscale(self) -> bool:
+        return self._scale_value != 1.0
 
     def state_dict(self) -> dict[str, Any]:
         return {"scale": self._scale_value}
@@ -207,7 +257,16 @@ class DynamicGradScaler(GradScaler):
         self._growth_tracker = 0
         self._hysteresis_tracker = self.hysteresis
 
-    def update(self, found_inf: bool) -> None:
+    def _host_fields(self) -> dict[str, Any]:
+        return {"_scale_value": self._scale_value, "_growth_tracker": self._growth_tracker,
+                "_hysteresis_tracker": self._hysteresis_tracker}
+
+    def update(self, found_inf: bool | torch.Tensor) -> None:
+        if isinstance(found_inf, torch.Tensor):
+            self._update_on_device(found_inf)
+            return
+        self._pull()
+        self._device = {}  # the host rule runs: the device copy is rebuilt when next needed
         if found_inf:
             self._growth_tracker = 0
             self._hysteresis_tracker = max(self._hysteresis_tracker - 1, 0)  # spent stays 0
@@ -221,7 +280,28 @@ class DynamicGradScaler(GradScaler):
                 # never past float32's normal range: an overflowing scale would skip every step
                 self._set_scale(min(self._scale_value * self.growth_factor, MAX_SCALE))
 
+    def _update_on_device(self, found_inf: torch.Tensor) -> None:
+        """The rule of :meth:`update` with tensor ops (float64 scale, int64 trackers)."""
+        dev = self._to_device(found_inf.device)
+        inf = found_inf.to(torch.bool)
+        scale, growth, hyst = (dev["_scale_value"], dev["_growth_tracker"],
+                               dev["_hysteresis_tracker"])
+        spent = (hyst - 1).clamp(min=0)
+        counted = growth + 1
+        grow = ~inf & (counted >= self.growth_interval)
+        backoff = inf & (spent == 0)
+        new_scale = torch.where(
+            backoff, (scale * self.backoff_factor).clamp(min=self.min_scale),
+            torch.where(grow, (scale * self.growth_factor).clamp(max=MAX_SCALE), scale))
+        new_hyst = torch.where(inf, spent, torch.where(grow, self.hysteresis, hyst))
+        new_growth = torch.where(inf | grow, 0, counted)
+        scale.copy_(new_scale)
+        hyst.copy_(new_hyst)
+        growth.copy_(new_growth)
+        self._device_updated()
+
     def state_dict(self) -> dict[str, Any]:
+        self._pull()
         return {
             "scale": self._scale_value,
             "growth_tracker": self._growth_tracker,
@@ -245,6 +325,8 @@ class DynamicGradScaler(GradScaler):
                 f"growth_tracker must be < growth_interval ({self.growth_interval}), got {growth}: "
                 "the state was saved by a scaler with a larger growth_interval. Construct this "
                 "one with the same growth_interval, or set growth_tracker to 0.")
+        self._pull()
         self._set_scale(value)
+        self._device = {}
         self._growth_tracker = growth
         self._hysteresis_tracker = hysteresis

@@ -235,7 +235,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
             buckets: Buckets | Exception = self._preparer.collect(
                 self._table.slots, cast_grads=not self._precision_aware,
                 group=self.config.grad_stats_group, fast_token=token)
-            if scaler is not None and scaler.get_scale() != 1.0:
+            if scaler is not None and scaler.needs_unscale():
                 self._preparer.unscale(scaler.inv_scale_on, buckets)  # type: ignore[arg-type]
         except Exception as exc:  # joins the collective, so no rank waits, then raises
             buckets = exc
