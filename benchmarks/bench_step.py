@@ -26,11 +26,24 @@ place of AdamW: one mode, ``apex``, and no ``stock`` cell (its kernels take plai
 
 ``--scale`` shrinks each param's rows (keeps the param count, so host overhead stays visible);
 ``--count-scale`` shrinks the number of params.
+
+``--model llama1b`` times, in place of ``--sets``, the params of a Llama 1.2B-like model (one
+local tensor per param, as the sets): embedding 32000x2048; 16 blocks of q/k/v/o 2048x2048,
+gate/up 5632x2048, down 2048x5632 and two 2048 norms; final norm 2048; lm head 32000x2048
+(147 params, 953 M elements). ``--scale`` shrinks the rows of its 2-D params (the 1-D norms keep
+their 2048), ``--count-scale`` the number of blocks. With a model, or with ``--bare-clip``, a
+contender **bare+clip** joins: the bare base optimizer on the same kind of plain local tensors
+plus ``torch.nn.utils.clip_grad_norm_(locals, --clip)`` (the stock baseline with clipping; not
+with ``--clip 0``), and a second line gives every contender over bare+clip:
+
+    python benchmarks/bench_step.py --model llama1b --modes fused
+    python benchmarks/bench_step.py --device cpu --model llama1b --scale 0.002 --iters 3
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import tempfile
@@ -42,6 +55,22 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 SHAPE_SETS = {"3000x512x256": (3000, (512, 256)), "300x4096x1024": (300, (4096, 1024))}
+
+
+def _llama1b(scale: float, count_scale: float) -> list[tuple[int, ...]]:
+    """Param shapes of a Llama 1.2B-like model (torch's (out, in) Linear layout), the 2-D
+    params' rows times ``scale``, ``round(16 * count_scale)`` blocks (at least 1)."""
+    d, ff, vocab = 2048, 5632, 32000
+
+    def rows(r: int) -> int:
+        return max(1, round(r * scale))
+
+    block = [(rows(d), d)] * 4 + [(rows(ff), d)] * 2 + [(rows(d), ff), (d,), (d,)]
+    blocks = max(1, round(16 * count_scale))
+    return [(rows(vocab), d)] + block * blocks + [(d,), (rows(vocab), d)]
+
+
+MODELS = {"llama1b": _llama1b}
 
 
 def _time_once(device: torch.device, fn) -> float:
@@ -89,9 +118,15 @@ def _copy_bandwidth(device: torch.device, nbytes: int) -> float:
 
 
 def _make(count, shape, device, mesh, seed, dtensors=True):
+    return _make_shapes([shape] * count, device, mesh, seed, dtensors)
+
+
+def _make_shapes(shapes, device, mesh, seed, dtensors=True):
+    """Plain local tensors with grads (and, with ``dtensors``, DTensor params wrapping copies of
+    them on ``mesh``), one per shape; the same values for the same seed."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    locals_ = [torch.randn(shape, device=device, generator=gen) for _ in range(count)]
-    grads = [torch.randn(shape, device=device, generator=gen) * 1e-3 for _ in range(count)]
+    locals_ = [torch.randn(shape, device=device, generator=gen) for shape in shapes]
+    grads = [torch.randn(shape, device=device, generator=gen) * 1e-3 for shape in shapes]
     params = []
     for t, g in zip(locals_, grads if dtensors else []):
         p = torch.nn.Parameter(DTensor.from_local(t.clone(), mesh, [Shard(0)], run_check=False))
@@ -100,6 +135,35 @@ def _make(count, shape, device, mesh, seed, dtensors=True):
     for t, g in zip(locals_, grads):
         t.grad = g
     return locals_, params
+
+
+def _runs_of(shapes):
+    """``[(shape, count)]`` over the distinct shapes, in order of first appearance."""
+    counts: dict[tuple[int, ...], int] = {}
+    for sh in shapes:
+        counts[tuple(sh)] = counts.get(tuple(sh), 0) + 1
+    return [(sh, k) for sh, k in counts.items()]
+
+
+def _bare_clip(opt, locals_, clip: float):
+    """The stock baseline with clipping: ``clip_grad_norm_`` on the plain tensors, then the
+    base optimizer's step."""
+    def step():
+        torch.nn.utils.clip_grad_norm_(locals_, clip)
+        opt.step()
+
+    return step
+
+
+def _check_finite(label, mode, tensors, wrappers) -> None:
+    """A timed run that left NaN/inf in params or grads is not a result (one host read)."""
+    tensors = list(tensors)
+    for w in wrappers.values():
+        tensors += [p for g in w.param_groups for p in g["params"]]
+    tensors += [t.grad for t in tensors if t.grad is not None]
+    flags = [(t._local_tensor if isinstance(t, DTensor) else t).isfinite().all() for t in tensors]
+    if not bool(torch.stack(flags).all()):
+        raise SystemExit(f"{label} {mode}: non-finite params or grads after timing")
 
 
 def _profile(fn, label: str) -> None:
@@ -135,6 +199,10 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--no-triton", action="store_true", help="skip the triton_adam_step row")
     ap.add_argument("--sets", default=",".join(SHAPE_SETS))
+    ap.add_argument("--model", choices=sorted(MODELS), default=None,
+                    help="time a model's param set instead of --sets (adds bare+clip)")
+    ap.add_argument("--bare-clip", action="store_true",
+                    help="also time bare+clip (base step + clip_grad_norm_) with --sets")
     ap.add_argument("--modes", default="fused,foreach")
     ap.add_argument("--clip", type=float, default=1.0, help="OptimizerConfig.clip_grad (0: off)")
     ap.add_argument("--profile", action="store_true",
@@ -170,36 +238,53 @@ def main() -> None:
     bw = _copy_bandwidth(device, 256 * 2**20 if device.type == "cuda" else 64 * 2**20)
     print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}),"
           f" torch {torch.__version__}, copy bandwidth {bw / 1e9:.1f} GB/s")
-    for set_name in args.sets.split(","):
-        count, (rows, cols) = SHAPE_SETS[set_name]
-        count = max(1, round(count * args.count_scale))
-        rows = max(1, round(rows * args.scale))
-        numel = count * rows * cols
+    runs = []  # (label, param shapes)
+    if args.model:
+        shapes = MODELS[args.model](args.scale, args.count_scale)
+        n = sum(math.prod(sh) for sh in shapes)
+        runs.append((f"{args.model}[{len(shapes)}p,{n / 1e6:.1f}M]", shapes))
+    else:
+        for set_name in args.sets.split(","):
+            count, (rows, cols) = SHAPE_SETS[set_name]
+            count = max(1, round(count * args.count_scale))
+            rows = max(1, round(rows * args.scale))
+            runs.append((f"{count}x{rows}x{cols}", [(rows, cols)] * count))
+    with_clip = (args.model is not None or args.bare_clip) and args.clip > 0
+    if args.model:
+        print(f"{runs[0][0]}: {len(runs[0][1])} params, "
+              f"{sum(math.prod(sh) for sh in runs[0][1])} elements, shapes "
+              + ", ".join(f"{k} x {sh}" for sh, k in _runs_of(runs[0][1])))
+    for label, shapes in runs:
+        numel = sum(math.prod(sh) for sh in shapes)
         floor_ms = 28 * numel / bw * 1e3
-        label = f"{count}x{rows}x{cols}"
         for mode in args.modes.split(","):
             kw = {"lr": 1e-3, "weight_decay": 0.01, **({} if apex else {mode: True})}
-            locals_, _ = _make(count, (rows, cols), device, mesh, 0, dtensors=False)
+            locals_, _ = _make_shapes(shapes, device, mesh, 0, dtensors=False)
             contenders = {"bare": base_opt(locals_, kw).step}
             stock = dparams = None
             if not apex:
-                _, dparams = _make(count, (rows, cols), device, mesh, 1)
+                _, dparams = _make_shapes(shapes, device, mesh, 1)
                 stock = torch.optim.AdamW(dparams, **kw)
                 contenders["stock"] = stock.step
             wrappers = {}
             for name, extra in (("wrap", {}), ("wrap+triton", {"triton_adam_step": True})):
                 if extra and (mode != "fused" or device.type != "cuda" or args.no_triton):
                     continue
-                _, params = _make(count, (rows, cols), device, mesh, 2)
+                _, params = _make_shapes(shapes, device, mesh, 2)
                 wrappers[name] = FullyShardedOptimizer(
                     base_opt(params, kw), OptimizerConfig(clip_grad=args.clip, **extra))
                 contenders[name] = wrappers[name].step
             if other is not None:
-                _, params = _make(count, (rows, cols), device, mesh, 2)
+                _, params = _make_shapes(shapes, device, mesh, 2)
                 name = f"wrap[{other.__name__}]"
                 wrappers[name] = other.FullyShardedOptimizer(
                     base_opt(params, kw), other.OptimizerConfig(clip_grad=args.clip))
                 contenders[name] = wrappers[name].step
+            clip_locals = None
+            if with_clip:
+                clip_locals, _ = _make_shapes(shapes, device, mesh, 3, dtensors=False)
+                contenders["bare+clip"] = _bare_clip(base_opt(clip_locals, kw), clip_locals,
+                                                     args.clip)
             t = _interleaved(device, contenders, args.warmup, args.iters)
             a = t["bare"]
             cells = " ".join(f"{k} {t[k]:.2f} ms ({t[k] / a:.2f}x bare, {t[k] / floor_ms:.2f}x "
@@ -209,9 +294,15 @@ def main() -> None:
                                  if getattr(w, "_triton", None) else "")
                               for k, w in wrappers.items())
             print(f"{label} {mode}: floor {floor_ms:.2f} ms | {cells} | {notes}")
+            if with_clip:
+                c = t["bare+clip"]
+                print(f"{label} {mode} over bare+clip ({c:.2f} ms, clip {args.clip:g}): "
+                      + ", ".join(f"{k}/bare+clip {t[k] / c:.3f}" for k in contenders
+                                  if k != "bare+clip"))
+            _check_finite(label, mode, locals_ + (clip_locals or []) + (dparams or []), wrappers)
             if args.profile:
                 _profile(wrappers["wrap"].step, f"{label} {mode}")
-            del contenders, wrappers, stock, dparams, locals_
+            del contenders, wrappers, stock, dparams, locals_, clip_locals
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     dist.destroy_process_group()

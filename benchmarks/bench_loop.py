@@ -1,0 +1,319 @@
+"""Training-loop throughput: stock clip + AdamW vs FullyShardedOptimizer, host_sync on and off.
+
+A small decoder-only transformer (default 4 layers, d_model 256, 4 heads, seq 128, batch 8,
+vocab 1024, biases and LayerNorms: many small params, so an H200 waits on the host), FSDP2
+``fully_shard`` per block and at the root on a world-size-1 group (nccl on CUDA, gloo on CPU,
+FileStore init), fp32. Each contender gets its own model, built from the same seed, and the same
+batches (a pool of 16 cycled, so the loss falls). One iteration = forward, backward, clip to 1.0,
+fused AdamW step, zero_grad:
+
+  (a) stock:  ``clip_grad_norm_(model.parameters(), 1.0)`` + ``AdamW(fused=True).step()`` and
+              ``norm.item()`` every iteration (what logging the norm costs);
+  (b) wrap:   ``FullyShardedOptimizer(AdamW(fused=True), OptimizerConfig(clip_grad=1.0))``
+              (``host_sync=True``, the default: step() returns the norm as a float);
+  (c) nosync: the same with ``OptimizerConfig(clip_grad=1.0, host_sync=False)``: the returned
+              norm tensors go into a list, read (one stack + tolist) after the loop.
+
+Timing: all contenders are built and warmed up first; then rounds, each running ``--iters``
+iterations of every contender back to back (the order rotating between rounds), wall clock
+around one contender's whole loop with one synchronize at its end (for (c) the read of its norms
+is inside the window). The median over rounds is reported as iterations/s, with c/a, c/b, b/a
+(ratios of iterations/s: above 1, the first is faster).
+
+Self-checks (the run fails rather than time broken training): after the rounds every model has
+taken the same steps on the same batches, so the last training losses and a no-grad loss on a
+fixed batch must agree across contenders (``--rtol``), that loss must have fallen from its start
+and by the same amount as stock's (``--rtol`` of the fall), and every norm (a, b, c) must be
+finite and agree per iteration with stock's (``--rtol``).
+
+    python benchmarks/bench_loop.py                                   # auto device, defaults
+    python benchmarks/bench_loop.py --device cpu --iters 3 --layers 1 --dim 32 --rounds 2
+    python benchmarks/bench_loop.py --compare mfsdp_optim_main=/path/to/old/src
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = torch.nn.LayerNorm(dim)
+        self.q = torch.nn.Linear(dim, dim)
+        self.k = torch.nn.Linear(dim, dim)
+        self.v = torch.nn.Linear(dim, dim)
+        self.o = torch.nn.Linear(dim, dim)
+        self.ln2 = torch.nn.LayerNorm(dim)
+        self.up = torch.nn.Linear(dim, 4 * dim)
+        self.down = torch.nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        h = self.ln1(x)
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, s, self.heads, d // self.heads).transpose(1, 2)
+
+        a = F.scaled_dot_product_attention(split(self.q(h)), split(self.k(h)), split(self.v(h)),
+                                           is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, d))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq: int):
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, dim)
+        self.pos = torch.nn.Embedding(seq, dim)
+        self.blocks = torch.nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.tok(tokens) + self.pos(pos)
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _build(args, device, mesh) -> torch.nn.Module:
+    """The model from ``args.seed``, sharded with FSDP2 (each block, then the root)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(args.seed)
+    model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq)
+    with torch.no_grad():  # a smaller init than torch's default, so lr 1e-3 trains smoothly
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.02)
+    model.to(device)
+    for blk in model.blocks:
+        fully_shard(blk, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _batches(args, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    out = []
+    for _ in range(16):
+        t = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+        out.append((t[:, :-1].to(device), t[:, 1:].to(device)))
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Contender:
+    """One model and optimizer; ``run(n)`` does n training iterations from where it stands."""
+
+    def __init__(self, name, model, batches, kind, opt):
+        self.name, self.model, self.batches, self.kind, self.opt = name, model, batches, kind, opt
+        self.steps = 0
+        self.norms: list[float] = []  # every iteration's pre-clip norm, on the host
+        self.loss: torch.Tensor | None = None  # the last iteration's training loss
+
+    def run(self, n: int, device: torch.device) -> float:
+        """Wall seconds of n iterations, synchronized once at the end."""
+        if n <= 0:
+            return 0.0
+        model, opt, batches = self.model, self.opt, self.batches
+        pending: list[torch.Tensor] = []
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            x, y = batches[self.steps % len(batches)]
+            self.steps += 1
+            loss = model(x, y)
+            loss.backward()
+            if self.kind == "stock":
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if isinstance(norm, DTensor):
+                    norm = norm.full_tensor()
+                self.norms.append(norm.item())  # the logging read
+            elif self.kind == "sync":
+                _, norm, _ = opt.step()
+                opt.zero_grad()
+                self.norms.append(norm)  # already a float
+            else:
+                _, norm, _ = opt.step()
+                opt.zero_grad()
+                pending.append(norm)  # a 0-d device tensor, read after the loop
+        if pending:
+            self.norms += torch.stack(pending).tolist()
+        _sync(device)
+        self.loss = loss.detach()
+        return time.perf_counter() - t0
+
+
+def _import_other(spec: str):
+    """The package named by ``--compare``."""
+    import importlib
+    import sys
+
+    name, _, path = spec.partition("=")
+    if path:
+        sys.path.insert(0, path)
+    return importlib.import_module(name)
+
+
+def _eval_loss(model, batch) -> float:
+    with torch.no_grad():
+        return float(model(*batch))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--iters", type=int, default=50, help="timed iterations per round")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed iterations per contender")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rtol", type=float, default=2e-2,
+                    help="relative tolerance of the cross-contender loss and norm checks")
+    ap.add_argument("--compare", default="",
+                    help="also run (b) and (c) with another importable copy of the package: "
+                         "'module' or 'module=PATH' (PATH is put on sys.path); rows "
+                         "'wrap[module]', 'nosync[module]' (the latter only if its "
+                         "OptimizerConfig takes host_sync)")
+    args = ap.parse_args()
+    if args.iters < 1 or args.rounds < 1:
+        raise SystemExit("--iters and --rounds must be at least 1")
+    if args.dim % args.heads:
+        raise SystemExit(f"--dim {args.dim} is not a multiple of --heads {args.heads}")
+    other = _import_other(args.compare) if args.compare else None
+
+    from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("dp_shard",))
+    batches = _batches(args, device)
+
+    def adamw(model):
+        return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, fused=True)
+
+    contenders: list[Contender] = []
+    model = _build(args, device, mesh)
+    contenders.append(Contender("stock", model, batches, "stock", adamw(model)))
+    for name, kind, pkg in (("wrap", "sync", None), ("nosync", "nosync", None),
+                            *(((f"wrap[{other.__name__}]", "sync", other),
+                               (f"nosync[{other.__name__}]", "nosync", other))
+                              if other is not None else ())):
+        mod_fso = FullyShardedOptimizer if pkg is None else pkg.FullyShardedOptimizer
+        mod_cfg = OptimizerConfig if pkg is None else pkg.OptimizerConfig
+        try:
+            cfg = mod_cfg(clip_grad=1.0, **({} if kind == "sync" else {"host_sync": False}))
+        except TypeError:
+            print(f"{name}: skipped ({pkg.__name__}.OptimizerConfig takes no host_sync)")
+            continue
+        model = _build(args, device, mesh)
+        contenders.append(Contender(name, model, batches, kind, mod_fso(adamw(model), cfg)))
+
+    params = list(contenders[0].model.parameters())
+    numel = sum(p.numel() for p in params)
+    print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}),"
+          f" torch {torch.__version__}; TinyLM {args.layers} layers, d_model {args.dim}, "
+          f"{args.heads} heads, seq {args.seq}, batch {args.batch}, vocab {args.vocab}: "
+          f"{len(params)} params, {numel} elements; fp32, FSDP2 on 1 rank ({backend}), "
+          f"fused AdamW lr {args.lr:g}, clip 1.0; {args.warmup} warm-up + {args.rounds} rounds x "
+          f"{args.iters} iterations")
+
+    start_loss = [_eval_loss(c.model, batches[0]) for c in contenders]
+    for c in contenders:
+        c.run(args.warmup, device)
+    times: dict[str, list[float]] = {c.name: [] for c in contenders}
+    for r in range(args.rounds):
+        order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
+        for c in order:
+            times[c.name].append(c.run(args.iters, device))
+        print(f"round {r + 1}: " + " | ".join(
+            f"{c.name} {args.iters / times[c.name][-1]:.1f} it/s" for c in contenders))
+
+    ips = {k: args.iters / statistics.median(v) for k, v in times.items()}
+    a, b, c = ips["stock"], ips["wrap"], ips["nosync"]
+    print(f"median of {args.rounds} rounds (iterations/s): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in ips.items())
+          + f" | c/a {c / a:.3f}, c/b {c / b:.3f}, b/a {b / a:.3f}"
+          + "".join(f", {k}/a {v / a:.3f}" for k, v in ips.items()
+                    if k not in ("stock", "wrap", "nosync")))
+    _check(args, contenders, start_loss, batches)
+    dist.destroy_process_group()
+
+
+def _check(args, contenders: list[Contender], start_loss: list[float], batches) -> None:
+    """Fail unless every contender trained, and trained alike."""
+    ref = contenders[0]
+    problems = []
+    losses = {c.name: float(c.loss) for c in contenders}  # type: ignore[arg-type]
+    evals = {c.name: _eval_loss(c.model, batches[0]) for c in contenders}
+    for c, start in zip(contenders, start_loss):
+        if c.steps != ref.steps or len(c.norms) != ref.steps:
+            problems.append(f"{c.name}: {c.steps} steps, {len(c.norms)} norms, expected "
+                            f"{ref.steps}")
+        if not all(math.isfinite(v) for v in c.norms + [losses[c.name], evals[c.name]]):
+            problems.append(f"{c.name}: non-finite norm or loss")
+        if not evals[c.name] < start:
+            problems.append(f"{c.name}: loss on batch 0 did not fall ({start:.4f} -> "
+                            f"{evals[c.name]:.4f})")
+        for what, got, want in (("training loss", losses[c.name], losses[ref.name]),
+                                ("batch-0 loss", evals[c.name], evals[ref.name])):
+            if not math.isclose(got, want, rel_tol=args.rtol):
+                problems.append(f"{c.name}: {what} {got:.6f} vs stock {want:.6f}")
+        fell, ref_fell = start - evals[c.name], start_loss[0] - evals[ref.name]
+        if abs(fell - ref_fell) > args.rtol * abs(ref_fell):
+            problems.append(f"{c.name}: batch-0 loss fell by {fell:.6f}, stock's by "
+                            f"{ref_fell:.6f}")
+        worst = max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(c.norms, ref.norms)),
+                    default=0.0)
+        if worst > args.rtol:
+            problems.append(f"{c.name}: norms differ from stock's by up to {worst:.2e} relative")
+    first = ref.norms[0] if ref.norms else float("nan")
+    print(f"check: {ref.steps} steps each; batch-0 loss {start_loss[0]:.4f} -> "
+          + ", ".join(f"{k} {v:.6f}" for k, v in evals.items())
+          + "; last training loss " + ", ".join(f"{k} {v:.6f}" for k, v in losses.items())
+          + f"; grad norm step 1 {first:.4f}, last "
+          + ", ".join(f"{c.name} {c.norms[-1]:.6f}" for c in contenders if c.norms)
+          + f" (rtol {args.rtol:g}); clip acted on {sum(n > 1.0 for n in ref.norms)}/"
+          f"{len(ref.norms)} steps; "
+          + ", ".join(f"{c.name}: {getattr(c.opt, 'fast_steps', '?')} fast steps, "
+                      f"{getattr(c.opt, 'clip_folds', '?')} clip folds"
+                      for c in contenders if c.kind != "stock"))
+    if problems:
+        raise SystemExit("CHECK FAILED:\n  " + "\n  ".join(problems))
+    print("check: OK")
+
+
+if __name__ == "__main__":
+    main()
