@@ -26,7 +26,12 @@ CATALOGUE = {
     "S8 count_replication plain": ("TypeError", "expected a DTensor"),
     "S9 count_replication Partial": ("ValueError", "Partial"),
     "S10 mesh outside group": ("ValueError", "not in the grad-stats group"),
-    "S11 bad grad on one rank, others": ("NaN+found_inf", ""),
+    "S11 bad grad on one rank, others": ("RankFailedError", "failed on rank 1 "),
+    "S12 norm_type differs between ranks": ("StatsArgumentMismatchError", "different norm_type"),
+    "S13 int64 grad on one rank, others": ("RankFailedError", "failed on rank 1 "),
+    "S14 grads iterable raises on one rank": ("RankFailedError", "KeyError"),
+    "S15 count_zeros differs between ranks": ("StatsArgumentMismatchError",
+                                              "different count_zeros"),
     # wrapper
     "W1 not an optimizer": ("TypeError", "must be a torch.optim.Optimizer"),
     "W2 wrapper of a wrapper": ("TypeError", "already a FullyShardedOptimizer"),
@@ -220,12 +225,12 @@ def _cases(root):  # noqa: C901 - one flat list of small cases
         opt, _ = wrapper(grad_scaler=ConstantGradScaler(8.0))
         OptimizerStateful(opt).load_state_dict({"optimizer": {}})
 
-    def one_bad_rank():
-        grads = [partial] if rank == 1 else [g]
-        st = stats.grad_stats(grads)  # rank 1 raises ValueError after the collective
-        if not (math.isnan(float(st.total_norm)) and bool(st.found_inf)):
-            raise AssertionError(f"rank {rank} got a silent value {st}")
-        raise ArithmeticError("NaN+found_inf")  # recorded as the row's outcome
+    def one_bad_rank(bad):
+        stats.grad_stats([bad] if rank == 1 else [g])  # rank 1 raises its own error
+
+    def raising_grads():
+        yield g
+        raise KeyError("layers.7.weight")
 
     cases = {
         "S1 plain tensor grad": lambda: stats.grad_stats([torch.ones(2)]),
@@ -240,7 +245,16 @@ def _cases(root):  # noqa: C901 - one flat list of small cases
         "S10 mesh outside group": lambda: (stats.grad_stats([g], group=pair) if rank < 2 else
                                            (_ for _ in ()).throw(ValueError(
                                                "not in the grad-stats group (not a member)"))),
-        "S11 bad grad on one rank, others": one_bad_rank,
+        "S11 bad grad on one rank, others": lambda: one_bad_rank(partial),
+        "S12 norm_type differs between ranks": lambda: stats.get_grad_norm(
+            [g], norm_type=math.inf if rank == 3 else 2.0),
+        "S13 int64 grad on one rank, others": lambda: one_bad_rank(
+            DTensor.from_local(torch.ones(2, dtype=torch.int64), mesh, (Shard(0),),
+                               run_check=False)),
+        "S14 grads iterable raises on one rank": lambda: stats.grad_stats(
+            raising_grads() if rank == 1 else [g]),
+        "S15 count_zeros differs between ranks": lambda: stats.grad_stats(
+            [g], count_zeros=rank == 0),
         "W1 not an optimizer": lambda: FullyShardedOptimizer(object()),
         "W2 wrapper of a wrapper": lambda: FullyShardedOptimizer(wrapper()[0]),
         "W3 torch GradScaler": lambda: wrapper(grad_scaler=torch.amp.GradScaler("cpu")),
@@ -311,8 +325,6 @@ def _cases(root):  # noqa: C901 - one flat list of small cases
     for name, fn in cases.items():
         try:
             fn()
-        except ArithmeticError as exc:
-            out[name] = (str(exc), "")
         except Exception as exc:
             out[name] = (type(exc).__name__, str(exc))
         else:
@@ -363,8 +375,10 @@ def outcomes(tmp_path_factory):
 def test_refused(outcomes, case):
     for rank, out in enumerate(outcomes):
         cls, words = CATALOGUE[case]
-        if case.startswith("S11") and rank == 1:  # the rank that passed the Partial grad
-            cls, words = "ValueError", "Partial placement"
+        own = {"S11": ("ValueError", "Partial placement"), "S13": ("RuntimeError", "Long"),
+               "S14": ("KeyError", "layers.7.weight")}
+        if case[:3] in own and rank == 1:  # the rank that passed the bad input: its own error
+            cls, words = own[case[:3]]
         got = out[case]
         assert got is not None, f"rank {rank}: {case!r} was accepted"
         assert got[0] == cls and words in got[1], f"rank {rank}: {case!r} -> {got}"
