@@ -16,11 +16,70 @@ hand out cached copies on the grads' device so unscaling never synchronises with
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import torch
 
 __all__ = ["GradScaler", "ConstantGradScaler", "DynamicGradScaler"]
+
+# the scale AND its inverse stay normal float32 numbers: a scale outside this range overflows
+# (every step skipped) or unscales to zero / subnormals
+MIN_SCALE = float(torch.finfo(torch.float32).tiny)  # 2**-126
+MAX_SCALE = 1.0 / MIN_SCALE  # 2**126 (its inverse is float32's smallest normal)
+_RANGE = f"[2**-126, 2**126] (about [{MIN_SCALE:.3g}, {MAX_SCALE:.3g}])"
+
+
+def _real(name: str, value: Any) -> float:
+    """``value`` as a finite float, or a TypeError/ValueError that names ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)) or (
+            isinstance(value, torch.Tensor) and value.numel() != 1):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"{name} must be a finite number, got {out!r}")
+    return out
+
+
+def _scale(name: str, value: Any) -> float:
+    """A loss scale: finite, > 0, and within float32's normal range (with its inverse)."""
+    try:
+        out = _real(name, value)
+    except ValueError:
+        out = math.nan
+    if not (out > 0 and math.isfinite(out)):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    if not MIN_SCALE <= out <= MAX_SCALE:
+        raise ValueError(
+            f"{name} must be a finite number > 0 within float32's normal range {_RANGE}, got "
+            f"{out!r}: float32 grads scaled by it overflow to inf (every step skipped) or "
+            "unscale to zero. Typical scales are 2**8 .. 2**24.")
+    return out
+
+
+def _integer(name: str, value: Any, minimum: int) -> int:
+    """An integer >= ``minimum`` (an integral float such as 2.0 passes), naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, float)):
+        raise TypeError(f"{name} must be an integer >= {minimum}, got {type(value).__name__} "
+                        f"{value!r}")
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if int(value) < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _state_keys(state_dict: Any, who: str, keys: set[str]) -> None:
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"{who} state_dict must be a dict (from {who}.state_dict()), got "
+                        f"{type(state_dict).__name__}")
+    missing, extra = keys - set(state_dict), set(state_dict) - keys
+    if missing:
+        raise ValueError(f"{who} state_dict is missing {sorted(missing)}; got keys "
+                         f"{sorted(state_dict)}. Pass what {who}.state_dict() returned.")
+    if extra:
+        raise ValueError(f"{who} state_dict has unexpected keys {sorted(extra)} (expected "
+                         f"{sorted(keys)}): the state of another scaler class?")
 
 
 class GradScaler:
@@ -31,10 +90,7 @@ class GradScaler:
     """
 
     def __init__(self, initial_scale: float):
-        initial_scale = float(initial_scale)
-        if not (initial_scale > 0 and math.isfinite(initial_scale)):
-            raise ValueError(f"initial_scale must be a finite number > 0, got {initial_scale!r}")
-        self._scale_value = initial_scale
+        self._scale_value = _scale("initial_scale", initial_scale)
         self._cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- the scale -------------------------------------------------------------------------
@@ -100,10 +156,9 @@ class ConstantGradScaler(GradScaler):
         return {"scale": self._scale_value}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        value = float(state_dict["scale"])
-        if not (value > 0 and math.isfinite(value)):
-            raise ValueError(f"scale must be a finite number > 0, got {value!r}")
-        self._set_scale(value)
+        """Restore ``state_dict()``'s scale; validated first (nothing changes when refused)."""
+        _state_keys(state_dict, "ConstantGradScaler", {"scale"})
+        self._set_scale(_scale("scale", state_dict["scale"]))
 
 
 class DynamicGradScaler(GradScaler):
@@ -132,39 +187,39 @@ class DynamicGradScaler(GradScaler):
         hysteresis: int = 2,
     ):
         super().__init__(initial_scale)
-        min_scale = float(min_scale)
-        if not (0 < min_scale <= float(initial_scale)):
+        min_scale = _scale("min_scale", min_scale)
+        if not min_scale <= self._scale_value:
             raise ValueError(
-                f"min_scale must be > 0 and <= initial_scale ({initial_scale}), got {min_scale!r}"
-            )
-        if not float(growth_factor) > 1.0:
-            raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}")
-        if not 0.0 < float(backoff_factor) < 1.0:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
-        if int(growth_interval) < 1:
-            raise ValueError(f"growth_interval must be >= 1, got {growth_interval!r}")
-        if int(hysteresis) < 1:
-            raise ValueError(f"hysteresis must be >= 1, got {hysteresis!r}")
+                f"min_scale must be > 0 and <= initial_scale ({self._scale_value}), got "
+                f"{min_scale!r}")
+        growth_factor = _real("growth_factor", growth_factor)
+        if not growth_factor > 1.0:
+            raise ValueError(f"growth_factor must be > 1, got {growth_factor!r} (typically 2)")
+        backoff_factor = _real("backoff_factor", backoff_factor)
+        if not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r} "
+                             "(typically 0.5)")
         self.min_scale = min_scale
-        self.growth_factor = float(growth_factor)
-        self.backoff_factor = float(backoff_factor)
-        self.growth_interval = int(growth_interval)
-        self.hysteresis = int(hysteresis)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = _integer("growth_interval", growth_interval, 1)
+        self.hysteresis = _integer("hysteresis", hysteresis, 1)
         self._growth_tracker = 0
         self._hysteresis_tracker = self.hysteresis
 
     def update(self, found_inf: bool) -> None:
         if found_inf:
             self._growth_tracker = 0
-            self._hysteresis_tracker -= 1
-            if self._hysteresis_tracker <= 0:
+            self._hysteresis_tracker = max(self._hysteresis_tracker - 1, 0)  # spent stays 0
+            if self._hysteresis_tracker == 0:
                 self._set_scale(max(self._scale_value * self.backoff_factor, self.min_scale))
         else:
             self._growth_tracker += 1
-            if self._growth_tracker == self.growth_interval:
+            if self._growth_tracker >= self.growth_interval:
                 self._growth_tracker = 0
                 self._hysteresis_tracker = self.hysteresis
-                self._set_scale(self._scale_value * self.growth_factor)
+                # never past float32's normal range: an overflowing scale would skip every step
+                self._set_scale(min(self._scale_value * self.growth_factor, MAX_SCALE))
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -174,15 +229,22 @@ class DynamicGradScaler(GradScaler):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        missing = {"scale", "growth_tracker", "hysteresis_tracker"} - set(state_dict)
-        if missing:
+        """Restore ``state_dict()``; every value is validated first (nothing changes when one is
+        refused)."""
+        _state_keys(state_dict, "DynamicGradScaler", {"scale", "growth_tracker",
+                                                      "hysteresis_tracker"})
+        value = _scale("scale", state_dict["scale"])
+        growth = _integer("growth_tracker", state_dict["growth_tracker"], 0)
+        try:
+            hysteresis = _integer("hysteresis_tracker", state_dict["hysteresis_tracker"], 0)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (before 0.2 the tracker could go below 0 after repeated "
+                             "overflows, meaning 'spent'; set it to 0)") from None
+        if growth >= self.growth_interval:
             raise ValueError(
-                f"DynamicGradScaler state_dict is missing {sorted(missing)}; got keys "
-                f"{sorted(state_dict)}"
-            )
-        value = float(state_dict["scale"])
-        if not (value > 0 and math.isfinite(value)):
-            raise ValueError(f"scale must be a finite number > 0, got {value!r}")
+                f"growth_tracker must be < growth_interval ({self.growth_interval}), got {growth}: "
+                "the state was saved by a scaler with a larger growth_interval. Construct this "
+                "one with the same growth_interval, or set growth_tracker to 0.")
         self._set_scale(value)
-        self._growth_tracker = int(state_dict["growth_tracker"])
-        self._hysteresis_tracker = int(state_dict["hysteresis_tracker"])
+        self._growth_tracker = growth
+        self._hysteresis_tracker = hysteresis
