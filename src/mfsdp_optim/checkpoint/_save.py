@@ -134,7 +134,8 @@ def _raise_agreed(errors: list[tuple[str, str] | None], what: str) -> None:
              "RankDisagreementError": RankDisagreementError,
              "StateDictMismatchError": StateDictMismatchError,
              "UnsafeCheckpointError": UnsafeCheckpointError,
-             "FileExistsError": FileExistsError, "FileNotFoundError": FileNotFoundError}
+             "FileExistsError": FileExistsError, "FileNotFoundError": FileNotFoundError,
+             "ValueError": ValueError, "TypeError": TypeError}
     kind = kinds.get(found[0][1][0], RuntimeError)
     lines: dict[str, list[int]] = {}
     for r, (_, msg) in found:
