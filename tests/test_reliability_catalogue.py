@@ -58,6 +58,12 @@ CATALOGUE = {
     "G6 hysteresis 0": ("ValueError", "hysteresis must be >= 1"),
     "G7 scaler state missing keys": ("ValueError", "is missing"),
     "G8 scaler state NaN scale": ("ValueError", "scale must be a finite number > 0"),
+    "G9 scale above float32": ("ValueError", "float32's normal range"),
+    "G10 scale below float32": ("ValueError", "float32's normal range"),
+    "G11 initial_scale 2**200": ("ValueError", "float32's normal range"),
+    "G12 hysteresis NaN": ("ValueError", "hysteresis must be an integer >= 1, got nan"),
+    "G13 scaler state negative tracker": ("ValueError", "hysteresis_tracker must be >= 0"),
+    "G14 scale not a number": ("TypeError", "initial_scale must be a number, got str"),
     # checkpoint layer: state dicts
     "C1 wrong top-level keys": ("StateDictMismatchError", "exactly the keys"),
     "C2 mismatched mesh/placements": ("StateDictMismatchError", "layout"),
@@ -85,11 +91,20 @@ CATALOGUE = {
     "D10 bit-flipped shard": ("CorruptCheckpointError", "checksum mismatch"),
     "D11 missing shard": ("CorruptCheckpointError", "missing file"),
     "D12 .metadata of another run": ("CorruptCheckpointError", "not the file this save wrote"),
+    "D13 each rank its own save directory": ("RankDisagreementError", "checkpoint directory"),
+    "D14 save into a reserved name": ("ValueError", "are reserved"),
+    "D15 checkpoint keys the target lacks": ("StateDictMismatchError", "max_exp_avg_sq"),
+    "D16 each rank its own load directory": ("RankDisagreementError", "checkpoint directory"),
     "W16 NaN lr set after construction": ("ValueError", "param_groups[0]['lr'] is nan"),
 }
 
 # inputs that are NOT refused today (see docs/errors.md, "Gaps"): strict xfail, so a fix flips it
-GAPS: dict[str, tuple[str, str]] = {}
+GAPS: dict[str, tuple[str, str]] = {
+    # wrapper-side validation (issue 12, the lead's part): refused once the new wrapper lands
+    "W18 NaN eps set after construction": ("ValueError", "param_groups[0]['eps']"),
+    "W19 lr given as a string": ("TypeError", "param_groups[0]['lr']"),
+    "W20 OptimizerConfig(clip_grad=None)": ("TypeError", "OptimizerConfig.clip_grad"),
+}
 
 
 def _cases(root):  # noqa: C901 - one flat list of small cases
@@ -167,6 +182,14 @@ def _cases(root):  # noqa: C901 - one flat list of small cases
         if not torch.isfinite(lin.weight._local_tensor).all():
             raise AssertionError("accepted: params became NaN")
 
+    def bad_group_value(key, value):
+        opt, lin = wrapper()
+        opt.param_groups[0][key] = value
+        lin.weight.grad = DTensor.from_local(torch.ones(1, 4), mesh, (Shard(0),), run_check=False)
+        opt.step()
+        if not torch.isfinite(lin.weight._local_tensor).all():
+            raise AssertionError("accepted: params became NaN")
+
     def ckpt_dirs(kind):
         good = os.path.join(root, "good")
         if not os.path.exists(os.path.join(good, "mfsdp_complete.json")):
@@ -216,6 +239,17 @@ def _cases(root):  # noqa: C901 - one flat list of small cases
             path = good
         if kind == "exists":
             return save_checkpoint(target, good)
+        if kind == "save_per_rank":
+            return save_checkpoint(target, os.path.join(root, f"{kind}{rank}"))
+        if kind == "reserved":
+            return save_checkpoint(target, os.path.join(root, "step_1.incomplete"))
+        if kind == "load_per_rank":
+            path = os.path.join(root, f"{kind}{rank}")
+        if kind == "amsgrad_into_adam":
+            m = trained(1, "adam")
+            target = {"optimizer": build_sharded_state_dict(m.optimizer, m.records,
+                                                            is_loading=True)}
+            path = good
         if kind == "disagree":
             return save_checkpoint({"x": torch.tensor(float(rank))}, os.path.join(root, kind))
         kw = {"require_marker": False} if kind == "unsafe" else {}
@@ -287,6 +321,13 @@ def _cases(root):  # noqa: C901 - one flat list of small cases
         "G7 scaler state missing keys": lambda: DynamicGradScaler().load_state_dict({"scale": 2}),
         "G8 scaler state NaN scale": lambda: ConstantGradScaler(2.0).load_state_dict(
             {"scale": math.nan}),
+        "G9 scale above float32": lambda: ConstantGradScaler(1e39),
+        "G10 scale below float32": lambda: ConstantGradScaler(1e-46),
+        "G11 initial_scale 2**200": lambda: DynamicGradScaler(2.0**200),
+        "G12 hysteresis NaN": lambda: DynamicGradScaler(hysteresis=math.nan),
+        "G13 scaler state negative tracker": lambda: DynamicGradScaler().load_state_dict(
+            {"scale": 2.0, "growth_tracker": 0, "hysteresis_tracker": -1}),
+        "G14 scale not a number": lambda: ConstantGradScaler("8"),
         "C1 wrong top-level keys": lambda: load_bad(lambda sd: sd.update(param_groups=[])),
         "C2 mismatched mesh/placements": lambda: load_bad(other_layout),
         "C3 wrong global shape": lambda: load_bad(other_shape),
@@ -319,6 +360,13 @@ def _cases(root):  # noqa: C901 - one flat list of small cases
         "D10 bit-flipped shard": lambda: ckpt_dirs("flip"),
         "D11 missing shard": lambda: ckpt_dirs("missing"),
         "D12 .metadata of another run": lambda: ckpt_dirs("foreign_md"),
+        "D13 each rank its own save directory": lambda: ckpt_dirs("save_per_rank"),
+        "D14 save into a reserved name": lambda: ckpt_dirs("reserved"),
+        "D15 checkpoint keys the target lacks": lambda: ckpt_dirs("amsgrad_into_adam"),
+        "D16 each rank its own load directory": lambda: ckpt_dirs("load_per_rank"),
+        "W18 NaN eps set after construction": lambda: bad_group_value("eps", math.nan),
+        "W19 lr given as a string": lambda: bad_group_value("lr", "0.1"),
+        "W20 OptimizerConfig(clip_grad=None)": lambda: OptimizerConfig(clip_grad=None),
         "W16 NaN lr set after construction": nan_lr_later,
     }
     out = {}
