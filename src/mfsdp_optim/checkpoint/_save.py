@@ -15,13 +15,17 @@ appears, so the previous checkpoint stays the newest complete one. The marker re
 every file and the SHA-256 of ``.metadata``, so a truncated or missing shard and a ``.metadata``
 from another run are caught from the marker alone, before anything is unpickled; the checksums
 catch bit flips. ``load_checkpoint`` runs all of these checks (the checksum reads split over the
-ranks) and agrees on the verdict with ONE collective before calling ``dcp.load``: DCP copies into
-the live optimizer state in place (``sharded_state_dict(is_loading=True)`` shares storage with
-it), so a load that failed half-way would leave it half-overwritten.
+ranks) and agrees on the verdict with ONE collective before calling ``dcp.load``, which then
+writes into staging copies that replace the live values only once every rank loaded: DCP copies
+into the live optimizer state in place (``sharded_state_dict(is_loading=True)`` shares storage
+with it), so a load that failed half-way would leave it half-overwritten.
 
-Collectives of ``save_checkpoint``: one ``all_gather_object`` (keyspace agreement across ranks,
-staging prepared), ``dcp.save``'s own, one ``all_gather_object`` (every rank's writes and
-checksums) and one ``broadcast_object_list`` (the publish verdict).
+Collectives of ``save_checkpoint``: one ``all_gather_object`` (keyspace and directory agreement
+across ranks, staging prepared), ``dcp.save``'s own, one ``all_gather_object`` (every rank's
+writes and checksums) and one ``broadcast_object_list`` (the publish verdict). Of
+``load_checkpoint``: one ``all_gather_object`` (findings, keyspace, directory), ``dcp.load``'s
+own, one ``all_gather_object`` (every rank loaded). ``overwrite=True`` swaps the old and the new
+directory in one atomic ``renameat2(RENAME_EXCHANGE)`` where the OS offers it.
 """
 
 from __future__ import annotations
@@ -360,9 +364,13 @@ def save_checkpoint(
     ``.metadata``, ``metadata``: any JSON-able dict of yours) and renames the directory to
     ``directory``. Returns ``directory`` on every rank.
 
-    An existing ``directory`` raises FileExistsError on every rank unless ``overwrite=True`` (the
-    old one is then replaced after the new one is complete). A stale ``<directory>.incomplete``
-    from a crashed save is deleted first. ``writer_cls`` (a ``FileSystemWriter`` subclass) and
+    Every rank must pass the same ``directory`` (RankDisagreementError on every rank otherwise,
+    nothing written); names ending in ``.incomplete`` or ``.old-<8 hex digits>`` are reserved
+    (ValueError). An existing ``directory`` raises FileExistsError on every rank unless
+    ``overwrite=True``; the old one is then replaced after the new one is complete, in one atomic
+    directory exchange where the OS offers it, so the name always holds a whole checkpoint, the
+    old or the new one (see docs/reliability.md for the fallback). A stale
+    ``<directory>.incomplete`` from a crashed save is deleted first. ``writer_cls`` (a ``FileSystemWriter`` subclass) and
     ``thread_count`` go to DCP.
     """
     rank, world, _ = _dist(process_group)
