@@ -246,7 +246,7 @@ def why_stage(ctx: Ctx) -> None:
               f"and expert grads ({ep} groups of {edp} ranks, each group holding different "
               f"experts; {n_expert} expert tensors in all)")
         print(f"  mfsdp_optim.get_grad_norm             {ours:.6f}   (identical on all "
-              f"{ctx.world} ranks: {'yes' if agree else 'NO'}; one all-reduce)")
+              f"{ctx.world} ranks: {'yes' if agree else 'NO'}; one collective)")
         print(f"  brute force over every full_tensor()  {brute:.6f}   "
               f"(rel. diff {abs(ours - brute) / brute:.1e})")
         print(f"  torch.nn.utils.clip_grad_norm_        {torch_says}")

@@ -118,9 +118,9 @@ def _rank_bad_input(kind, bad_rank):
             grads.append(DTensor.from_local(torch.ones(3), mesh, [Partial()], run_check=False))
     try:
         stats = mfsdp_optim.grad_stats(grads)
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:
         return type(exc).__name__, str(exc)
-    return "ok", (math.isnan(float(stats.total_norm)), bool(stats.found_inf))
+    return "ok", (float(stats.total_norm), bool(stats.found_inf))
 
 
 def _rank_mesh_outside_group():
@@ -205,8 +205,8 @@ def test_grad_stats_matches_brute_force_on_any_layout(ranks, case, norm_type, wa
     _check_against_reference(results, specs, norm_type, want_zeros)
     for _, counts in results:
         assert sum(counts.values()) == 1, f"expected exactly one collective, saw {counts}"
-        if not math.isinf(norm_type):
-            assert counts == {"all_reduce": 1}
+        # the same collective whatever norm_type: ranks that differ cannot deadlock
+        assert set(counts) <= {"all_gather_single", "all_gather_into_tensor"}, counts
 
 
 def _dense_and_expert_specs(world=8, ep=2):
@@ -315,15 +315,16 @@ def _rank_count_zeros(specs):
 
 
 @pytest.mark.parametrize("kind", ["plain", "partial"])
-def test_bad_input_on_one_rank_raises_there_and_poisons_the_rest(ranks, kind):
+def test_bad_input_on_one_rank_raises_there_and_everywhere_else(ranks, kind):
     results = ranks(4).run(_rank_bad_input, kind, 2, timeout=60)
     bad = results[2]
     assert bad[0] == ("TypeError" if kind == "plain" else "ValueError")
     assert "grads[1]" in bad[1]
     if kind == "partial":
         assert "Partial" in bad[1]
-    for r in (0, 1, 3):
-        assert results[r] == ("ok", (True, True)), results[r]
+    for r in (0, 1, 3):  # no silent value: they raise, naming rank 2 and its error
+        assert results[r][0] == "RankFailedError", results[r]
+        assert "failed on rank 2 " in results[r][1] and bad[1][:80] in results[r][1]
 
 
 def test_bad_input_on_every_rank_raises_everywhere(ranks):

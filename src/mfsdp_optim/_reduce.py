@@ -1,8 +1,20 @@
 """One rank's contribution to the grad statistics, and the one collective that combines them.
 
-``reduce_buckets`` takes the rank's bucketed local shards, or the exception that bucketing
-raised on this rank: a rank whose input was bad still joins the collective (so no peer waits
-for it) and raises afterwards, while its peers see a NaN norm and ``found_inf``.
+``reduce_buckets`` is the single rank-agreement point of the stats path. Every rank of the
+grad-stats group sends one fixed-size float64 row in ONE all-gather, whatever its arguments::
+
+    [norm_slot, zeros, nonfinite, failed, norm_type, count_zeros, magic]
+
+``failed`` is 1 when this rank's input or arguments were refused (any exception: a bad
+``norm_type``, an int64 or meta grad, a grads iterable that raised, the caller's own prepare
+loop); ``norm_type`` / ``count_zeros`` are the rank's arguments, so a rank that passed others is
+seen by all; ``magic`` tells this collective from a peer that is in another one of the same size.
+The shape never depends on the arguments, so no mismatch can deadlock. Healthy case: that one
+collective, combined locally (a sum, or a max for ``p = inf``). When any row says ``failed``,
+every rank issues a second all-gather of fixed size (each failing rank's error message, UTF-8,
+truncated), and then every rank raises: a failing rank its own exception, the others
+:class:`RankFailedError` naming each failing rank and its error. Arguments that differ between
+ranks raise :class:`StatsArgumentMismatchError` on every rank, without a second collective.
 """
 
 from __future__ import annotations
@@ -27,9 +39,19 @@ from ._stats_math import (
     shard_contribution,
 )
 
-__all__ = ["GradStats", "reduce_buckets", "require_member"]
+__all__ = [
+    "GradStats",
+    "RankFailedError",
+    "StatsArgumentMismatchError",
+    "reduce_buckets",
+    "require_member",
+]
 
-_FAILED_SLOT = 3  # appended to the contribution: how many ranks refused their input
+# the row every rank sends; slots 0-2 are the contribution of _stats_math
+_FAILED, _NORM_TYPE, _COUNT_ZEROS, _MAGIC = 3, 4, 5, 6
+_ROW = 7
+_MAGIC_VALUE = 1_836_016_496.0  # b"mfsp" as an integer: exact in float64
+_MESSAGE_BYTES = 2048  # per rank, failure path only
 
 
 class GradStats(NamedTuple):
@@ -47,42 +69,99 @@ class GradStats(NamedTuple):
     found_inf: torch.Tensor
 
 
+class RankFailedError(RuntimeError):
+    """Raised on the healthy ranks of the grad-stats group when another rank's input was refused.
+
+    ``failures`` maps each failing rank (its rank in the group) to ``"ExcType: message"``. The
+    failing rank itself raises its own exception; nobody gets a statistic.
+    """
+
+    def __init__(self, message: str, failures: dict[int, str]):
+        super().__init__(message)
+        self.failures = failures
+
+
+class StatsArgumentMismatchError(ValueError):
+    """Ranks of the grad-stats group called with different ``norm_type`` or ``count_zeros``
+    (raised on every rank), or a peer was inside another collective."""
+
+
 def reduce_buckets(
-    buckets: Buckets | Exception,
+    buckets: Buckets | BaseException,
     *,
     norm_type: float,
     count_zeros: bool,
     group: dist.ProcessGroup | None,
+    host_sync: bool = True,
 ) -> GradStats:
     """The global statistics of every rank's ``buckets`` (see ``_buckets``), one collective.
 
-    ``buckets`` may be the TypeError/ValueError this rank's bucketing raised: the rank then
-    contributes a failure flag, and re-raises once the collective is done.
+    ``buckets`` may instead be the exception (any type) that building them raised on this rank:
+    the rank still joins the collective, so no peer waits for it. Whenever any rank failed,
+    EVERY rank raises: the failing rank its own exception, the others :class:`RankFailedError`
+    naming it (a second, fixed-size all-gather carries the messages). ``norm_type`` and
+    ``count_zeros`` must be equal on every rank (:class:`StatsArgumentMismatchError` on every
+    rank otherwise).
+
+    ``host_sync=False`` (the wrapper's device-only mode) reads nothing back to the host: a
+    failing rank still raises its own exception right after the one collective, while the
+    others cannot know without a host read, so they get ``total_norm=NaN`` and
+    ``found_inf=True`` on the device (a grad scaler then skips the step on every rank).
     """
-    p = check_norm_type(norm_type)
     require_member(group)
     device = collective_device(group)
-    failure = buckets if isinstance(buckets, Exception) else None
+    failure = buckets if isinstance(buckets, BaseException) else None
+    p = math.nan
+    contribution = None
     if failure is None:
         try:
-            local = _local_contribution(buckets, p, count_zeros, device)  # type: ignore[arg-type]
-            local = torch.nn.functional.pad(local, (0, 1))  # the failed-ranks slot: 0
-        except (TypeError, ValueError) as exc:
+            p = check_norm_type(norm_type)
+            if count_zeros not in (True, False):
+                raise TypeError(f"count_zeros must be True or False, got {count_zeros!r}")
+            contribution = _local_contribution(buckets, p, bool(count_zeros), device)  # type: ignore[arg-type]
+        except Exception as exc:  # any type: the peers must hear of it, not wait for it
             failure = exc
     if failure is not None:
-        local = torch.zeros(_FAILED_SLOT + 1, dtype=torch.float64, device=device)
-        local[_FAILED_SLOT] = 1.0
-    total = _all_combine(local, p, group)
-    if failure is not None:
-        raise failure
-    failed = total[_FAILED_SLOT] > 0
+        p, contribution = math.nan, empty_contribution(device)
+    meta = torch.tensor([0.0 if failure is None else 1.0, p,
+                         1.0 if count_zeros is True else 0.0, _MAGIC_VALUE], dtype=torch.float64)
+    assert contribution is not None
+    row = torch.cat([contribution, meta.to(device, non_blocking=True)])
+    world = dist.get_world_size(group)
+    rows = row.new_empty(world * _ROW)
+    _all_gather_flat(rows, row, group)  # THE collective: one per call on every rank
+    rows = rows.view(world, _ROW)
+    if not host_sync:
+        if failure is not None:
+            raise failure
+        return _device_verdict(rows, p, bool(count_zeros))
+    peers = rows[:, _FAILED:].cpu()  # 4 numbers per rank
+    _check_magic(peers, world)
+    failed = [r for r in range(world) if peers[r, 0] != 0]
+    if failed:
+        messages = _gather_messages(failure, group, device)  # every rank saw the same rows
+        if failure is not None:
+            raise failure
+        raise _peer_failure(failed, messages, world)
+    _check_same_arguments(peers, world)
+    return _finish(rows, p, bool(count_zeros))
+
+
+def _finish(rows: torch.Tensor, p: float, count_zeros: bool) -> GradStats:
+    total = combine_contributions(rows[:, :NONFINITE_SLOT + 1], p)
     norm = finish_norm(total[NORM_SLOT], p)
     num_zeros = total[ZEROS_SLOT].round().to(torch.int64) if count_zeros else None
-    return GradStats(
-        total_norm=torch.where(failed, torch.nan, norm),
-        num_zeros=num_zeros,
-        found_inf=(total[NONFINITE_SLOT] > 0) | failed,
-    )
+    return GradStats(total_norm=norm, num_zeros=num_zeros, found_inf=total[NONFINITE_SLOT] > 0)
+
+
+def _device_verdict(rows: torch.Tensor, p: float, count_zeros: bool) -> GradStats:
+    """``_finish`` with every check of ``_check_same_arguments`` folded in on the device."""
+    stats = _finish(rows, p, count_zeros)
+    bad = ((rows[:, _FAILED] != 0).any() | (rows[:, _MAGIC] != _MAGIC_VALUE).any()
+           | (rows[:, _NORM_TYPE] != p).any()
+           | (rows[:, _COUNT_ZEROS] != float(count_zeros)).any())
+    return GradStats(total_norm=torch.where(bad, torch.nan, stats.total_norm),
+                     num_zeros=stats.num_zeros, found_inf=stats.found_inf | bad)
 
 
 def require_member(group: dist.ProcessGroup | None) -> None:
@@ -93,6 +172,60 @@ def require_member(group: dist.ProcessGroup | None) -> None:
         )
 
 
+def _gather_messages(
+    failure: BaseException | None, group: dist.ProcessGroup | None, device: torch.device
+) -> list[str]:
+    """Every rank's error message (empty for a healthy rank), one fixed-size all-gather."""
+    text = "" if failure is None else f"{type(failure).__name__}: {failure}"
+    data = text.encode("utf-8", "replace")[:_MESSAGE_BYTES]
+    mine = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    world = dist.get_world_size(group)
+    out = torch.empty(world * _MESSAGE_BYTES, dtype=torch.uint8, device=device)
+    _all_gather_flat(out, mine.to(device), group)
+    raw = out.cpu().view(world, _MESSAGE_BYTES)
+    return [bytes(raw[r].tolist()).rstrip(b"\0").decode("utf-8", "replace") for r in range(world)]
+
+
+def _peer_failure(failed: list[int], messages: list[str], world: int) -> RankFailedError:
+    failures = {r: messages[r] or "(no message)" for r in failed}
+    lines = "\n  ".join(f"rank {r}: {m}" for r, m in failures.items())
+    which = f"rank {failed[0]}" if len(failed) == 1 else f"ranks {failed}"
+    return RankFailedError(
+        f"grad statistics failed on {which} of the {world}-rank grad-stats group, so no rank "
+        f"gets a result (this rank's own input was fine):\n  {lines}\n"
+        f"Fix the input on {which}; the traceback there shows where it came from.",
+        failures,
+    )
+
+
+def _check_magic(meta: torch.Tensor, world: int) -> None:
+    foreign = [r for r in range(world) if meta[r, _MAGIC - _FAILED] != _MAGIC_VALUE]
+    if foreign:
+        raise StatsArgumentMismatchError(
+            f"ranks {foreign} of the grad-stats group sent something other than a grad-stats row: "
+            "they are inside another collective of the same size. Every rank of the group must "
+            "call the stats functions (or the wrapper's step) at the same point, in the same order."
+        )
+
+
+def _check_same_arguments(meta: torch.Tensor, world: int) -> None:
+    """Every row holds the same (norm_type, count_zeros); raise on every rank otherwise."""
+    for slot, name in ((_NORM_TYPE, "norm_type"), (_COUNT_ZEROS, "count_zeros")):
+        values = meta[:, slot - _FAILED].tolist()
+        if len(set(values)) > 1:
+            by_value: dict[Any, list[int]] = {}
+            for r, v in enumerate(values):
+                by_value.setdefault(bool(v) if name == "count_zeros" else v, []).append(r)
+            seen = "; ".join(f"{v!r} on ranks {rs}" for v, rs in by_value.items())
+            raise StatsArgumentMismatchError(
+                f"ranks of the grad-stats group passed different {name}: {seen}. The statistic "
+                f"is one global number, so every rank must pass the same {name} (check configs "
+                "built per rank, e.g. from rank-local environment variables)."
+            )
+
+
 def _local_contribution(
     buckets: Buckets, norm_type: float, count_zeros: bool, device: torch.device
 ) -> torch.Tensor:
@@ -100,10 +233,11 @@ def _local_contribution(
         _bucket_contribution(tensors, norm_type, replication, canonical, count_zeros)
         for (_, _, replication, canonical), tensors in buckets.items()
     ]
+    if not rows:
+        return empty_contribution(device)
     if len(rows) == 1:  # the common case, every grad in one layout: nothing to combine
         return rows[0].to(device, non_blocking=True)
     rows = [row.to(device, non_blocking=True) for row in rows]
-    rows.append(empty_contribution(device))
     return combine_contributions(torch.stack(rows), norm_type)
 
 
@@ -119,15 +253,3 @@ def _bucket_contribution(
                   count_zeros=count_zeros)
     row = _fused.shard_contribution(tensors, **kwargs)
     return row if row is not None else shard_contribution(tensors, **kwargs)
-
-
-def _all_combine(
-    local: torch.Tensor, norm_type: float, group: dist.ProcessGroup | None
-) -> torch.Tensor:
-    """Combine every rank's contribution with one collective."""
-    if not math.isinf(norm_type):
-        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
-        return local
-    gathered = local.new_empty(dist.get_world_size(group) * local.numel())
-    _all_gather_flat(gathered, local, group)
-    return combine_contributions(gathered.view(-1, local.numel()), norm_type)

@@ -11,10 +11,10 @@ Nothing here touches a process group. A *contribution* is a float64 vector of th
   over ranks counts every global element exactly once. float64 holds integers exactly up to 2**53.
 * ``nonfinite``: how many local shards hold a NaN or an inf (replicas included).
 
-Contributions of a finite ``p`` combine by summation, which is exactly what one all-reduce(SUM)
-does. Those of ``p = inf`` need a maximum in the first slot and sums in the others, so they are
-gathered and combined by :func:`combine_contributions`, which is also what combines the groups of
-one rank. Accumulation is float64 throughout: a float32 grad of 1e30 squares to 1e60 without
+Contributions of a finite ``p`` combine by summation; those of ``p = inf`` need a maximum in the
+first slot and sums in the others. Both are gathered (``_reduce``: one all-gather whatever ``p``,
+so ranks with different arguments can never issue different collectives) and combined by
+:func:`combine_contributions`, which is also what combines the groups of one rank. Accumulation is float64 throughout: a float32 grad of 1e30 squares to 1e60 without
 overflow, and the zero count stays exact far past 2**24.
 """
 

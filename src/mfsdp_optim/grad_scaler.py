@@ -318,8 +318,8 @@ class DynamicGradScaler(GradScaler):
         try:
             hysteresis = _integer("hysteresis_tracker", state_dict["hysteresis_tracker"], 0)
         except ValueError as exc:
-            raise ValueError(f"{exc} (before 0.2 the tracker could go below 0 after repeated "
-                             "overflows, meaning 'spent'; set it to 0)") from None
+            raise ValueError(f"{exc} (earlier mfsdp_optim releases let the tracker go below 0 "
+                             "after repeated overflows, meaning 'spent'; set it to 0)") from None
         if growth >= self.growth_interval:
             raise ValueError(
                 f"growth_tracker must be < growth_interval ({self.growth_interval}), got {growth}: "

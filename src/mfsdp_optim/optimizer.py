@@ -207,7 +207,8 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
             return GradStats(zero, torch.zeros((), dtype=torch.int64) if count_zeros else None,
                              torch.zeros((), dtype=torch.bool))
         return reduce_buckets(buckets, norm_type=self.config.norm_type, count_zeros=count_zeros,
-                              group=self.config.grad_stats_group)
+                              group=self.config.grad_stats_group,
+                              host_sync=self.config.host_sync)
 
     def _stats_of_current(self, count_zeros: bool) -> GradStats:
         buckets: Buckets | Exception

@@ -16,9 +16,10 @@ rank   coordinate  local shard   ``||local||_2 ** 2 / 2``   zeros (canonical)
 3      (1, 1)      [0, 12]       72                         (replica: 0)
 =====  ==========  ============  =========================  ===================
 
-The all-reduce(SUM) over the group gives 169 = 9 + 16 + 0 + 144, so the norm is 13 on every rank,
-and one zero. ``Shard`` and ``_StridedShard`` dims hold disjoint pieces (factor 1); ``Replicate``
-dims hold copies (divide by their size); ``Partial`` is refused.
+The one all-gather over the group hands every rank all four rows; their sum, 169 = 9 + 16 + 0 +
+144, gives the norm 13 on every rank, and one zero. ``Shard`` and ``_StridedShard`` dims hold
+disjoint pieces (factor 1); ``Replicate`` dims hold copies (divide by their size); ``Partial`` is
+refused.
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ from torch.distributed.tensor import DTensor
 from ._buckets import bucket_local_shards
 from ._clip import check_max_norm, scale_by_clip_coef_
 from ._placement import layout_info, require_dtensor
-from ._reduce import GradStats, reduce_buckets
+from ._reduce import GradStats, RankFailedError, StatsArgumentMismatchError, reduce_buckets
 
 __all__ = [
     "GradStats",
+    "RankFailedError",
+    "StatsArgumentMismatchError",
     "count_replication",
     "get_grad_norm",
     "count_zeros",
@@ -68,25 +71,31 @@ def grad_stats(
     Placements: Replicate, Shard and _StridedShard on any mesh, any mix of meshes, uneven and
     empty local shards. Each rank contributes, per local shard, ``||shard||_p ** p`` divided by
     the shard's replication (for ``p = inf``: its ``max|x|``), its zero count if it is the shard's
-    canonical replica, and whether the shard holds a NaN or an inf. One all-reduce(SUM) over
-    ``group`` (default: WORLD) combines them; for ``p = inf`` one all-gather, since the maximum
-    and the sums travel together. Every rank of ``group`` must call, a rank without grads with an
-    empty iterable. Local work is grouped by (device, dtype, layout) and runs as multi-tensor
-    kernels (a fused Triton kernel on CUDA when available); accumulation is float64. Nothing here
-    synchronises with the host except moving a contribution between devices when the grads and
-    the group's backend live on different ones.
+    canonical replica, and whether the shard holds a NaN or an inf. ONE all-gather over ``group``
+    (default: WORLD) of a fixed-size float64 row per rank (the three numbers, a failure flag,
+    ``norm_type``, ``count_zeros``) carries them; every rank combines the rows in rank order (a
+    sum, a max for ``p = inf``), so the result is bitwise equal on every rank. Every rank of
+    ``group`` must call, a rank without grads with an empty iterable, all with the same
+    ``norm_type`` and ``count_zeros``. Local work is grouped by (device, dtype, layout) and runs
+    as multi-tensor kernels (a fused Triton kernel on CUDA when available); accumulation is
+    float64. The host reads back the 4 agreement numbers per rank (on CUDA: one small
+    device-to-host copy after the collective).
 
-    Bad input (a plain tensor, a ``Partial`` placement, a mesh with ranks outside ``group``) is
-    refused on the rank that holds it with TypeError/ValueError, but only after that rank has
-    joined the collective: no rank is left waiting, and every other rank sees a NaN norm and
-    ``found_inf=True`` rather than a silently wrong value.
+    Failures never leave a rank waiting, and no rank gets a number when any rank failed. A rank
+    whose input or arguments are refused (a plain tensor: TypeError; a ``Partial`` placement or a
+    mesh with ranks outside ``group``: ValueError; a bad ``norm_type``; anything its grads raise,
+    e.g. an int64 or meta-device grad, or an iterable that raises) still joins the collective and
+    then raises its own exception; every other rank raises :class:`RankFailedError` naming the
+    failing rank and its error, within the time of two small collectives. Ranks that pass
+    different ``norm_type`` or ``count_zeros`` all raise :class:`StatsArgumentMismatchError`
+    (a ValueError) naming which rank passed what.
 
     Returns :class:`GradStats` with tensors on the group's collective device.
     """
     try:
         buckets = bucket_local_shards(grads, group)
-    except (TypeError, ValueError) as exc:
-        buckets = exc  # type: ignore[assignment]  # joins the collective, then raises
+    except Exception as exc:  # any type: joins the collective, then raises
+        buckets = exc  # type: ignore[assignment]
     return reduce_buckets(buckets, norm_type=norm_type, count_zeros=count_zeros, group=group)
 
 
@@ -106,7 +115,7 @@ def count_zeros(
 ) -> torch.Tensor:
     """Zero elements of the global tensors, each counted once: a 0-d int64 tensor, equal on every
     rank of ``group``. Each rank counts the zeros of the shards it is the canonical replica of
-    (coordinate 0 along every replicated mesh dim); one all-reduce(SUM) adds them. Exact up to
+    (coordinate 0 along every replicated mesh dim); the one collective of :func:`grad_stats` adds them. Exact up to
     2**53 elements."""
     stats = grad_stats(grads, count_zeros=True, group=group)
     assert stats.num_zeros is not None

@@ -199,14 +199,16 @@ def digest(local: LocalState, leaves: Sequence[Any]) -> list[int]:
 
 
 def agree(values: list[int], group: dist.ProcessGroup | None) -> bool:
-    """True on every rank iff every rank of ``group`` passed the same ``values``: ONE
-    ``all_reduce(MAX)`` of ``[v, -v]`` (16 bytes per value, independent of the world size)."""
+    """True on every rank iff every rank of ``group`` passed the same non-negative ``values``:
+    ONE ``all_reduce(MAX)`` of ``[v, -v]`` (16 bytes per value, independent of the world size).
+    A negative value (a rank that could not describe itself) is never agreed to, even when every
+    rank passes it."""
     if not (dist.is_available() and dist.is_initialized()):
-        return True
+        return all(v >= 0 for v in values)
     both = torch.tensor(values + [-v for v in values], dtype=torch.int64)
     top = all_reduce_max(both, group).tolist()
     n = len(values)
-    return all(top[i] == -top[n + i] for i in range(n))
+    return all(top[i] == -top[n + i] and -top[n + i] >= 0 for i in range(n))
 
 
 def gather(description: dict, group: dist.ProcessGroup | None) -> list[dict]:

@@ -15,13 +15,17 @@ appears, so the previous checkpoint stays the newest complete one. The marker re
 every file and the SHA-256 of ``.metadata``, so a truncated or missing shard and a ``.metadata``
 from another run are caught from the marker alone, before anything is unpickled; the checksums
 catch bit flips. ``load_checkpoint`` runs all of these checks (the checksum reads split over the
-ranks) and agrees on the verdict with ONE collective before calling ``dcp.load``: DCP copies into
-the live optimizer state in place (``sharded_state_dict(is_loading=True)`` shares storage with
-it), so a load that failed half-way would leave it half-overwritten.
+ranks) and agrees on the verdict with ONE collective before calling ``dcp.load``, which then
+writes into staging copies that replace the live values only once every rank loaded: DCP copies
+into the live optimizer state in place (``sharded_state_dict(is_loading=True)`` shares storage
+with it), so a load that failed half-way would leave it half-overwritten.
 
-Collectives of ``save_checkpoint``: one ``all_gather_object`` (keyspace agreement across ranks,
-staging prepared), ``dcp.save``'s own, one ``all_gather_object`` (every rank's writes and
-checksums) and one ``broadcast_object_list`` (the publish verdict).
+Collectives of ``save_checkpoint``: one ``all_gather_object`` (keyspace and directory agreement
+across ranks, staging prepared), ``dcp.save``'s own, one ``all_gather_object`` (every rank's
+writes and checksums) and one ``broadcast_object_list`` (the publish verdict). Of
+``load_checkpoint``: one ``all_gather_object`` (findings, keyspace, directory), ``dcp.load``'s
+own, one ``all_gather_object`` (every rank loaded). ``overwrite=True`` swaps the old and the new
+directory in one atomic ``renameat2(RENAME_EXCHANGE)`` where the OS offers it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -133,7 +138,8 @@ def _raise_agreed(errors: list[tuple[str, str] | None], what: str) -> None:
              "RankDisagreementError": RankDisagreementError,
              "StateDictMismatchError": StateDictMismatchError,
              "UnsafeCheckpointError": UnsafeCheckpointError,
-             "FileExistsError": FileExistsError, "FileNotFoundError": FileNotFoundError}
+             "FileExistsError": FileExistsError, "FileNotFoundError": FileNotFoundError,
+             "ValueError": ValueError, "TypeError": TypeError}
     kind = kinds.get(found[0][1][0], RuntimeError)
     lines: dict[str, list[int]] = {}
     for r, (_, msg) in found:
@@ -227,6 +233,32 @@ def _group_ranks(group, world: int) -> list[int]:
     if group is None or not (dist.is_available() and dist.is_initialized()):
         return list(range(world))
     return list(dist.get_process_group_ranks(group))
+
+
+def _agree_on_directory(paths: list[str], verb: str, nothing: str) -> None:
+    """Raise on every rank unless every rank passed the same (absolute) directory."""
+    if len(set(paths)) <= 1:
+        return
+    by_path: dict[str, list[int]] = {}
+    for r, p in enumerate(paths):
+        by_path.setdefault(p, []).append(r)
+    shown = "; ".join(f"{p!r} on ranks {rs}" for p, rs in list(by_path.items())[:8])
+    raise RankDisagreementError(
+        f"ranks disagree on the checkpoint directory to {verb} ({nothing}): {shown}. Every rank "
+        "must pass the same path (one checkpoint holds every rank's shards); build it from "
+        "values all ranks share (the step, not the rank or a per-rank timestamp).")
+
+
+_RESERVED = re.compile(re.escape(STAGING_SUFFIX) + r"$|\.old-[0-9a-f]{8}$")
+
+
+def _check_name(final: str) -> None:
+    """Refuse names this module uses for its own directories (staging, replaced checkpoints)."""
+    if _RESERVED.search(final):
+        raise ValueError(
+            f"{final}: names ending in {STAGING_SUFFIX!r} or '.old-<8 hex digits>' are reserved "
+            "for the staging and replaced directories of save_checkpoint (loading and inspect "
+            "would read it as an unfinished or stale save). Choose another name.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,34 +366,51 @@ def save_checkpoint(
     ``.metadata``, ``metadata``: any JSON-able dict of yours) and renames the directory to
     ``directory``. Returns ``directory`` on every rank.
 
-    An existing ``directory`` raises FileExistsError on every rank unless ``overwrite=True`` (the
-    old one is then replaced after the new one is complete). A stale ``<directory>.incomplete``
-    from a crashed save is deleted first. ``writer_cls`` (a ``FileSystemWriter`` subclass) and
+    Every rank must pass the same ``directory`` (RankDisagreementError on every rank otherwise,
+    nothing written); names ending in ``.incomplete`` or ``.old-<8 hex digits>`` are reserved
+    (ValueError). An existing ``directory`` raises FileExistsError on every rank unless
+    ``overwrite=True``; the old one is then replaced after the new one is complete, in one atomic
+    directory exchange where the OS offers it, so the name always holds a whole checkpoint, the
+    old or the new one (see docs/reliability.md for the fallback). A stale
+    ``<directory>.incomplete`` from a crashed save is deleted first. ``writer_cls`` (a ``FileSystemWriter`` subclass) and
     ``thread_count`` go to DCP.
     """
     rank, world, _ = _dist(process_group)
     final = os.path.abspath(os.fspath(directory))
     staging = final + STAGING_SUFFIX
     prep: tuple[str, str] | None = None
-    if rank == 0:
-        try:
+    created = False
+    try:
+        _check_name(final)
+        if rank == 0:
             if os.path.exists(final) and not overwrite:
                 raise FileExistsError(f"{final} already exists; pass overwrite=True to replace it")
+            if os.path.exists(final) and not os.path.isdir(final):
+                raise FileExistsError(f"{final} exists and is not a directory; remove it or "
+                                      "choose another name")
             if os.path.exists(staging):
                 shutil.rmtree(staging)  # what a crashed earlier save left behind
             os.makedirs(staging)
-        except OSError as exc:
-            prep = _as_error(exc)
+            created = True
+    except (OSError, ValueError) as exc:
+        prep = _as_error(exc)
     try:
         sig = _signatures(state_dict, values=True)
     except Exception as exc:  # never leave the others waiting in the collective
         sig, prep = {}, prep or _as_error(exc)
-    gathered = _gather((sig, prep), process_group)
-    _raise_agreed([g[1] for g in gathered], f"cannot save the checkpoint {final}")
-    errors = _check_agreement([g[0] for g in gathered], _group_ranks(process_group, world))
-    if errors:
-        _raise_agreed([("RankDisagreementError", "\n  ".join(errors[:30]))],
-                      f"ranks disagree on the state dict to save into {final} (nothing written)")
+    gathered = _gather((sig, prep, final), process_group)
+    try:
+        _raise_agreed([g[1] for g in gathered], f"cannot save the checkpoint {final}")
+        _agree_on_directory([g[2] for g in gathered], "save into", "nothing written")
+        errors = _check_agreement([g[0] for g in gathered], _group_ranks(process_group, world))
+        if errors:
+            _raise_agreed([("RankDisagreementError", "\n  ".join(errors[:30]))],
+                          f"ranks disagree on the state dict to save into {final} "
+                          "(nothing written)")
+    except BaseException:
+        if created:  # rank 0's empty staging directory: leave nothing behind
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
 
     import torch.distributed.checkpoint as dcp
 
@@ -429,17 +478,67 @@ def _publish(staging, final, reports, checksums, overwrite, world, metadata, tim
     }
     _write_json(os.path.join(staging, COMPLETE_MARKER), marker)
     _fsync_dir(staging)
-    old = None
-    if os.path.exists(final):
-        if not overwrite:
-            raise FileExistsError(f"{final} appeared while saving; the new checkpoint stays in "
-                                  f"{staging}")
+    parent = os.path.dirname(final)
+    if not os.path.exists(final):
+        os.rename(staging, final)
+        _fsync_dir(parent)
+    elif not overwrite:
+        raise FileExistsError(f"{final} appeared while saving; the new checkpoint stays in "
+                              f"{staging}")
+    elif _exchange(staging, final):
+        # one atomic step: before it the name holds the old checkpoint, after it the new one;
+        # the old one now sits under the staging name, which every reader treats as stale
+        _fsync_dir(parent)
+        shutil.rmtree(staging, ignore_errors=True)
+    else:  # no atomic exchange here: a crash between the renames leaves the old one as .old-*
         old = final + f".old-{marker['save_id'][:8]}"
         os.rename(final, old)
-    os.rename(staging, final)
-    _fsync_dir(os.path.dirname(final))
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        os.rename(staging, final)
+        _fsync_dir(parent)
+    for name in os.listdir(parent):  # replaced checkpoints of this name (a crashed fallback)
+        if _RESERVED.search(name) and name.startswith(os.path.basename(final) + ".old-"):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap the directories ``a`` and ``b`` (Linux renameat2 RENAME_EXCHANGE);
+    False where the OS or file system cannot."""
+    try:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    rc = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
+    return rc == 0
+
+
+def _resolve(path: str) -> str:
+    """``path``, or the previous checkpoint a crashed fallback overwrite left for it."""
+    if os.path.exists(path):
+        return path
+    return _replaced(path) or path
+
+
+def _replaced(path: str) -> str | None:
+    """The checkpoint a crashed fallback overwrite left as ``<path>.old-*`` while ``path`` is
+    missing (the name still resolves to it), else None."""
+    parent, base = os.path.split(path)
+    try:
+        names = sorted(os.listdir(parent))
+    except OSError:
+        return None
+    for name in names:
+        if name.startswith(base + ".old-") and _RESERVED.search(name) and os.path.isfile(
+                os.path.join(parent, name, COMPLETE_MARKER)):
+            return os.path.join(parent, name)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,6 +550,10 @@ def checkpoint_status(directory: str | os.PathLike) -> tuple[str, str]:
     ``"complete"`` (this package's marker), ``"dcp"`` (a finished DCP checkpoint without the
     marker: written by plain ``dcp.save``), ``"incomplete"`` or ``"missing"``."""
     path = os.path.abspath(os.fspath(directory))
+    if not os.path.exists(path) and _replaced(path) is not None:
+        return "complete", (f"{path}: complete (mfsdp_optim save_checkpoint; an overwrite of "
+                            f"it crashed, so the name resolves to the previous one, "
+                            f"{_replaced(path)})")
     if path.endswith(STAGING_SUFFIX):
         return "incomplete", (
             f"{path}: INCOMPLETE checkpoint: this is the staging directory of a save that never "
@@ -544,7 +647,7 @@ def check_checkpoint(
     ``.metadata`` from another run, a checksum mismatch). Reads only JSON and file bytes; it
     unpickles nothing.
     """
-    path = os.path.abspath(os.fspath(directory))
+    path = _resolve(os.path.abspath(os.fspath(directory)))
     status, msg = checkpoint_status(path)
     if status == "incomplete":
         raise IncompleteCheckpointError(msg)
@@ -569,8 +672,9 @@ def check_checkpoint(
 # load
 
 
-def _check_targets(path: str, flat: dict[str, Any]) -> list[str]:
-    """Every key of the load target present in the checkpoint, with its global shape and dtype."""
+def _check_targets(path: str, flat: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """Every key of the load target present in the checkpoint, with its global shape and dtype;
+    returns the errors and the checkpoint's keys."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     md = safe_read_metadata(path).state_dict_metadata
@@ -584,7 +688,12 @@ def _check_targets(path: str, flat: dict[str, Any]) -> list[str]:
             "of another model or optimizer, or saved under another prefix")
     for key, value in flat.items():
         item = md.get(key)
-        if item is None or not isinstance(value, torch.Tensor):
+        if item is None:
+            continue
+        if not isinstance(value, torch.Tensor):
+            if not isinstance(item, BytesStorageMetadata):
+                errors.append(f"{key!r}: the checkpoint holds a tensor {list(item.size)}, the "
+                              f"target a {type(value).__name__}")
             continue
         if isinstance(item, BytesStorageMetadata):
             errors.append(f"{key!r}: the checkpoint holds an object, the target a tensor")
@@ -593,7 +702,53 @@ def _check_targets(path: str, flat: dict[str, Any]) -> list[str]:
             errors.append(f"{key!r}: the checkpoint holds {list(item.size)} "
                           f"{item.properties.dtype}, the target is {list(value.shape)} "
                           f"{value.dtype}")
-    return errors[:30]
+    return errors[:30], sorted(md)
+
+
+def _unexpected(ckpt_keys: list[str], target_keys: set[str]) -> list[str]:
+    """Checkpoint keys the target (the union over ranks) lacks, under a section it loads: a
+    key ``a.b.rest`` counts when the target holds any key under ``a.b`` (``optimizer.state``),
+    so loading one section of a bigger checkpoint (the optimizer without the model) stays
+    possible, but not half of one (``max_exp_avg_sq`` dropped, or an FQN)."""
+    sections = {".".join(k.split(".")[:2]) for k in target_keys}
+    return [k for k in ckpt_keys
+            if k not in target_keys and ".".join(k.split(".")[:2]) in sections]
+
+
+def _clone(value: Any) -> Any:
+    """A staging copy of a load target: containers copied, tensors cloned, the rest shared."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return DTensor.from_local(value._local_tensor.detach().clone(), value.device_mesh,
+                                  value.placements, run_check=False, shape=value.shape,
+                                  stride=value.stride())
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, Mapping):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clone(v) for v in value]
+    return value
+
+
+@torch.no_grad()
+def _swap_in(live: Any, staged: Any) -> None:
+    """Write the staged values into the live target the way DCP would have: tensors in place
+    (they share storage with the optimizer state), other values replaced in their container."""
+    from torch.distributed.tensor import DTensor
+
+    items = live.items() if isinstance(live, Mapping) else enumerate(live)
+    for key, old in list(items):
+        new = staged[key]
+        if isinstance(old, DTensor):
+            old._local_tensor.copy_(new._local_tensor)
+        elif isinstance(old, torch.Tensor):
+            old.copy_(new)
+        elif isinstance(old, (Mapping, list)):
+            _swap_in(old, new)
+        elif new is not old:
+            live[key] = new
 
 
 def load_checkpoint(
@@ -604,48 +759,85 @@ def load_checkpoint(
     require_marker: bool = True,
     process_group: dist.ProcessGroup | None = None,
     planner: Any = None,
+    strict: bool = True,
+    in_place: bool = False,
 ) -> dict:
-    """``dcp.load`` into ``state_dict`` after proving the checkpoint whole; returns its marker.
+    """``dcp.load`` into ``state_dict``, all or nothing, after proving the checkpoint whole;
+    returns its completion marker.
 
-    Every rank of ``process_group`` calls it. Before DCP reads anything: :func:`check_checkpoint`
-    (completeness, file sizes, ``.metadata`` hash, CRC32s, the CRC reads split over the ranks),
-    the ``.metadata`` unpickled with an allow-list, every key of ``state_dict`` present with its
-    global shape and dtype, and the ranks' targets agreeing. ONE ``all_gather_object`` shares
-    every rank's findings; if any rank found anything, every rank raises (IncompleteCheckpointError,
-    CorruptCheckpointError, FileNotFoundError or RankDisagreementError) and ``state_dict``, with
-    the live optimizer state it shares storage with, is untouched. Then ``dcp.load`` with
-    :class:`SafeFileSystemReader` and :class:`SafeLoadPlanner` (non-tensor items loaded with
-    ``weights_only=True``).
+    Every rank of ``process_group`` calls it, with the same ``directory``. Before DCP reads
+    anything: :func:`check_checkpoint` (completeness, file sizes, ``.metadata`` hash, the CRC32
+    of every item, tensor and non-tensor, the reads split over the ranks), the ``.metadata``
+    unpickled with an allow-list, every key of ``state_dict`` present with its global shape and
+    dtype, and, with ``strict=True``, no checkpoint key the ranks' targets together lack inside
+    a section they load (``optimizer.state.<fqn>.max_exp_avg_sq`` saved with ``amsgrad=True``,
+    loaded into ``amsgrad=False``: the optimizer would step with half its state). ONE
+    ``all_gather_object`` shares every rank's findings and directory; if any rank found anything,
+    every rank raises (IncompleteCheckpointError, CorruptCheckpointError, FileNotFoundError,
+    StateDictMismatchError, RankDisagreementError) and nothing changed.
+
+    Then ``dcp.load`` with :class:`SafeFileSystemReader` and :class:`SafeLoadPlanner` into
+    staging copies of ``state_dict``'s tensors; one more small collective agrees that every rank
+    loaded, and only then are the copies written into ``state_dict`` (tensors in place, so the
+    live optimizer state it shares storage with changes at that moment, on every rank or on
+    none). ``in_place=True`` skips the copies (half the peak memory; a failure inside DCP then
+    leaves the state partly overwritten, everything verifiable having been verified before).
     """
     rank, world, _ = _dist(process_group)
-    path = os.path.abspath(os.fspath(directory))
+    given = os.path.abspath(os.fspath(directory))
+    path = _resolve(given)
     err: tuple[str, str] | None = None
     marker: dict = {}
     sig: dict = {}
+    ckpt_keys: list[str] = []
     try:
         flat = _flat(state_dict)
         sig = _signatures(state_dict, values=False)
-        marker = check_checkpoint(path, verify_checksums=verify_checksums,
+        marker = check_checkpoint(given, verify_checksums=verify_checksums,
                                   require_marker=require_marker, _part=(rank, world))
-        errors = _check_targets(path, flat)
+        errors, ckpt_keys = _check_targets(path, flat)
         if errors:
             err = ("StateDictMismatchError", "\n  ".join(errors))
     except Exception as exc:
         err = _as_error(exc)
-    gathered = _gather((sig, err), process_group)
+    gathered = _gather((sig, err, given), process_group)
+    _agree_on_directory([g[2] for g in gathered], "load from", "nothing was loaded")
     _raise_agreed([g[1] for g in gathered], f"refusing to load {path} (nothing was loaded)")
     errors = _check_agreement([g[0] for g in gathered], _group_ranks(process_group, world))
     if errors:
         _raise_agreed([("RankDisagreementError", "\n  ".join(errors[:30]))],
                       f"ranks disagree on the state dict to load from {path} (nothing loaded)")
+    if strict:  # the same file and the same gathered targets on every rank: the same verdict
+        extra = _unexpected(ckpt_keys, {k for g in gathered for k in g[0]})
+        if extra:
+            _raise_agreed([("StateDictMismatchError", (
+                f"the checkpoint holds {len(extra)} key(s) the target lacks, e.g. {extra[:5]}: "
+                "it was saved by an optimizer with other options (for example amsgrad=True, "
+                "loaded into amsgrad=False, which would step without max_exp_avg_sq) or by "
+                "another model. Build the optimizer and model with the options of the save, "
+                "or pass strict=False to leave those entries out"))],
+                f"refusing to load {path} (nothing was loaded)")
 
     import torch.distributed.checkpoint as dcp
 
+    target = state_dict if in_place else _clone(state_dict)
+    outcome: tuple[str, str] | None = None
     try:
-        dcp.load(state_dict, storage_reader=SafeFileSystemReader(path),
+        dcp.load(target, storage_reader=SafeFileSystemReader(path),
                  planner=planner if planner is not None else SafeLoadPlanner(),
                  process_group=process_group)
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        raise_unsafe(exc)
-        raise
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        try:
+            raise_unsafe(exc)
+            outcome = ("RuntimeError", f"dcp.load failed: {type(exc).__name__}: "
+                                       f"{str(exc)[:2000]}")
+        except UnsafeCheckpointError as unsafe:
+            outcome = _as_error(unsafe)
+    outcomes = _gather(outcome, process_group)
+    state = "partly loaded (in_place=True)" if in_place else "nothing was loaded"
+    _raise_agreed(outcomes, f"loading {path} failed ({state})")
+    if not in_place:
+        _swap_in(state_dict, target)
     return marker

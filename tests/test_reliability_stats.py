@@ -1,0 +1,246 @@
+"""The stats path's rank agreement on real gloo ranks: one careless rank never hangs the group.
+
+Each case runs on 4 ranks. The failing rank (rank 2 unless said otherwise) catches its own error
+and returns normally, as a real job that logs it would, so "the peer died and its socket
+closed" can never be what frees the others; the healthy ranks must raise within a few seconds,
+naming the failing rank and its error. Every case then runs one healthy ``grad_stats`` call on
+every rank and checks its value: the ranks are still in step (same collectives, same order).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+BAD = 2  # the careless rank
+FAST_S = 5.0  # healthy ranks must raise within this
+
+
+def _mesh():
+    from _layouts import get_mesh
+
+    return get_mesh((dist.get_world_size(),))
+
+
+def _dt(local, mesh=None):
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(local, mesh or _mesh(), (Shard(0),), run_check=False)
+
+
+def _good():
+    return [_dt(torch.full((3,), 2.0))]
+
+
+def _raising_iterable():
+    yield _dt(torch.ones(3))
+    raise KeyError("grads generator ran out of params ('layers.7.weight' was deleted)")
+
+
+def _call(kind, rank):
+    """Issue the call of case ``kind`` as rank ``rank`` would; returns the GradStats."""
+    from mfsdp_optim import _reduce, stats
+    from mfsdp_optim._buckets import bucket_local_shards
+
+    bad = rank == BAD
+    if kind == "norm_type_0":
+        return stats.grad_stats(_good(), norm_type=0 if bad else 2.0)
+    if kind == "norm_type_str":
+        return stats.grad_stats(_good(), norm_type="l2" if bad else 2.0)
+    if kind == "int64_grad":
+        return stats.grad_stats([_dt(torch.ones(3, dtype=torch.int64))] if bad else _good())
+    if kind == "complex_grad":
+        return stats.grad_stats([_dt(torch.ones(3, dtype=torch.complex64))] if bad else _good())
+    if kind == "meta_grad":
+        return stats.grad_stats([_dt(torch.empty(3, device="meta"))] if bad else _good())
+    if kind == "raising_iterable":
+        return stats.grad_stats(_raising_iterable() if bad else _good())
+    if kind == "plain_tensor":
+        return stats.grad_stats([torch.ones(3)] if bad else _good())
+    if kind == "count_zeros_str":
+        return stats.grad_stats(_good(), count_zeros="yes" if bad else False)
+    if kind == "wrapper_error":  # what the wrapper passes: its own prepare loop's exception
+        buckets = (AttributeError("'Tensor' object has no attribute '_local_tensor' "
+                                  "(param 'w': a plain-tensor .grad on a DTensor param)")
+                   if bad else bucket_local_shards(_good(), None))
+        return _reduce.reduce_buckets(buckets, norm_type=2.0, count_zeros=False, group=None)
+    if kind == "two_fail":  # ranks 1 and 2 fail differently
+        if rank == 1:
+            return stats.grad_stats([torch.ones(3)])
+        return stats.grad_stats(_good(), norm_type=0 if bad else 2.0)
+    if kind == "all_fail":
+        return stats.grad_stats(_good(), norm_type=-1.0)
+    if kind == "norm_type_differs":
+        return stats.grad_stats(_good(), norm_type=1.0 if bad else 2.0)
+    if kind == "norm_type_inf_on_one":  # once an all-gather on one rank, all-reduce on others
+        return stats.grad_stats(_good(), norm_type=math.inf if bad else 2.0)
+    if kind == "count_zeros_differs":
+        return stats.grad_stats(_good(), count_zeros=bad)
+    if kind == "get_grad_norm_vs_count_zeros":
+        return (stats.count_zeros(_good()) if bad else stats.get_grad_norm(_good()))
+    raise AssertionError(kind)
+
+
+def _rank_case(kind):
+    rank = dist.get_rank()
+    t0 = time.monotonic()
+    try:
+        _call(kind, rank)
+    except Exception as exc:  # the failing rank stays alive: caught and "logged"
+        outcome = (type(exc).__name__, str(exc), time.monotonic() - t0,
+                   getattr(exc, "failures", None))
+    else:
+        outcome = None
+    # still in step: a healthy call on every rank gives the right global norm
+    from mfsdp_optim import stats
+
+    after = float(stats.get_grad_norm(_good()))
+    return outcome, after
+
+
+# kind: (failing ranks, their exception and words, the healthy ranks' exception and words)
+FAILS = {
+    "norm_type_0": ("ValueError", "norm_type must be > 0", "norm_type must be > 0"),
+    "norm_type_str": ("TypeError", "norm_type must be a number", "norm_type must be a number"),
+    "int64_grad": ("RuntimeError", "", "RuntimeError"),
+    "complex_grad": (None, "", ""),  # whatever torch raises, named on the others
+    "meta_grad": (None, "", ""),
+    "raising_iterable": ("KeyError", "layers.7.weight", "KeyError"),
+    "plain_tensor": ("TypeError", "expected a DTensor", "expected a DTensor"),
+    "count_zeros_str": ("TypeError", "count_zeros must be True or False", "count_zeros must be"),
+    "wrapper_error": ("AttributeError", "plain-tensor .grad", "AttributeError"),
+}
+
+
+def _norm_ok(after, world=4):
+    return after == pytest.approx(math.sqrt(4.0 * 3 * world))
+
+
+@pytest.mark.parametrize("kind", sorted(FAILS))
+def test_one_failing_rank_makes_every_rank_raise_promptly(ranks, kind):
+    out = ranks(4).run(_rank_case, kind, timeout=60)
+    cls, words, peer_words = FAILS[kind]
+    bad_outcome = out[BAD][0]
+    assert bad_outcome is not None, "the failing rank returned a value"
+    if cls is not None:
+        assert bad_outcome[0] == cls and words in bad_outcome[1], bad_outcome
+    for rank, (outcome, after) in enumerate(out):
+        assert _norm_ok(after), f"rank {rank} out of step afterwards: {after}"
+        if rank == BAD:
+            continue
+        assert outcome is not None, f"healthy rank {rank} returned a value"
+        name, msg, elapsed, failures = outcome
+        assert name == "RankFailedError", (rank, outcome)
+        assert f"failed on rank {BAD} " in msg and peer_words in msg, msg
+        assert f"{bad_outcome[0]}: " in msg and bad_outcome[1][:60] in msg, (msg, bad_outcome)
+        assert "Fix the input on rank 2" in msg
+        assert list(failures) == [BAD]
+        assert elapsed < FAST_S, f"rank {rank} took {elapsed:.1f}s to raise"
+
+
+def test_two_failing_ranks_are_both_named(ranks):
+    out = ranks(4).run(_rank_case, "two_fail", timeout=60)
+    assert out[1][0][0] == "TypeError" and out[2][0][0] == "ValueError"
+    for rank in (0, 3):
+        name, msg, elapsed, failures = out[rank][0]
+        assert name == "RankFailedError" and "ranks [1, 2]" in msg, msg
+        assert "rank 1: TypeError" in msg and "rank 2: ValueError: norm_type" in msg, msg
+        assert sorted(failures) == [1, 2] and elapsed < FAST_S
+    assert all(_norm_ok(after) for _, after in out)
+
+
+def test_every_rank_failing_raises_its_own_error(ranks):
+    out = ranks(4).run(_rank_case, "all_fail", timeout=60)
+    for outcome, after in out:
+        assert outcome[0] == "ValueError" and "norm_type must be > 0" in outcome[1]
+        assert outcome[2] < FAST_S and _norm_ok(after)
+
+
+MISMATCH = {
+    "norm_type_differs": "different norm_type: 2.0 on ranks [0, 1, 3]; 1.0 on ranks [2]",
+    "norm_type_inf_on_one": "different norm_type: 2.0 on ranks [0, 1, 3]; inf on ranks [2]",
+    "count_zeros_differs": "different count_zeros: False on ranks [0, 1, 3]; True on ranks [2]",
+    "get_grad_norm_vs_count_zeros": "different count_zeros",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MISMATCH))
+def test_arguments_that_differ_between_ranks_raise_everywhere(ranks, kind):
+    out = ranks(4).run(_rank_case, kind, timeout=60)
+    for rank, (outcome, after) in enumerate(out):
+        assert outcome is not None, f"rank {rank} returned a value"
+        name, msg, elapsed, _ = outcome
+        assert name == "StatsArgumentMismatchError" and MISMATCH[kind] in msg, (rank, msg)
+        assert "every rank must pass the same" in msg
+        assert elapsed < FAST_S and _norm_ok(after)
+
+
+def _rank_count_collectives(kind):
+    """Count the real collectives one call issues (the real functions, wrapped to count)."""
+    from mfsdp_optim import _reduce, stats
+
+    calls = []
+    real_gather, real_reduce = _reduce._all_gather_flat, dist.all_reduce
+
+    def gather(out, inp, group):
+        calls.append(("all_gather", inp.numel()))
+        return real_gather(out, inp, group)
+
+    def reduce(*a, **k):
+        calls.append(("all_reduce", a[0].numel()))
+        return real_reduce(*a, **k)
+
+    _reduce._all_gather_flat, dist.all_reduce = gather, reduce
+    try:
+        try:
+            if kind == "healthy":
+                stats.grad_stats(_good(), norm_type=2.0, count_zeros=True)
+            elif kind == "healthy_inf":
+                stats.grad_stats(_good(), norm_type=math.inf)
+            else:
+                stats.grad_stats(_good(), norm_type=0 if dist.get_rank() == BAD else 2.0)
+        except Exception:
+            pass
+    finally:
+        _reduce._all_gather_flat, dist.all_reduce = real_gather, real_reduce
+    return calls
+
+
+def test_one_collective_when_healthy_two_when_a_rank_failed(ranks):
+    pool = ranks(4)
+    for kind in ("healthy", "healthy_inf"):
+        assert pool.run(_rank_count_collectives, kind) == [[("all_gather", 7)]] * 4, kind
+    assert pool.run(_rank_count_collectives, "fail") == [
+        [("all_gather", 7), ("all_gather", 2048)]] * 4
+
+
+def _rank_device_only():
+    """host_sync=False: the failing rank raises at once; the others get NaN and found_inf."""
+    from mfsdp_optim import _reduce
+    from mfsdp_optim._buckets import bucket_local_shards
+
+    rank = dist.get_rank()
+    buckets = (RuntimeError("boom") if rank == BAD else bucket_local_shards(_good(), None))
+    try:
+        st = _reduce.reduce_buckets(buckets, norm_type=2.0, count_zeros=False, group=None,
+                                    host_sync=False)
+    except RuntimeError as exc:
+        res = ("raised", str(exc))
+    else:
+        res = ("ok", math.isnan(float(st.total_norm)), bool(st.found_inf))
+    mismatch = _reduce.reduce_buckets(bucket_local_shards(_good(), None),
+                                      norm_type=1.0 if rank == BAD else 2.0,
+                                      count_zeros=False, group=None, host_sync=False)
+    return res, (math.isnan(float(mismatch.total_norm)), bool(mismatch.found_inf))
+
+
+def test_device_only_mode_poisons_the_result_instead(ranks):
+    out = ranks(4).run(_rank_device_only, timeout=60)
+    assert out[BAD][0] == ("raised", "boom")
+    for rank in (0, 1, 3):
+        assert out[rank][0] == ("ok", True, True), out[rank]
+    assert all(o[1] == (True, True) for o in out)
