@@ -108,7 +108,7 @@ class FastAdamStep:
                 return False
         return True
 
-    def _locals_ok(self) -> bool:
+    def locals_ok(self) -> bool:
         """Every param still has the local tensor the cache holds (FSDP2 may replace it)."""
         assert self._groups is not None
         return all(all(map(_is, [p._local_tensor for p in gc.dparams], gc.params))
@@ -178,11 +178,15 @@ class FastAdamStep:
     # -----------------------------------------------------------------------------------------
     # the step
 
-    def begin(self, optimizer: torch.optim.Optimizer, table: SlotTable) -> object | None:
+    def begin(self, optimizer: torch.optim.Optimizer, table: SlotTable,
+              trust_locals: bool = False) -> object | None:
         """Before the prepare loop (the route allows the fast step): the cache's token when the
-        loop should collect the grads for it (valid, built now if needed), else None."""
+        loop should collect the grads for it (valid, built now if needed), else None.
+        ``trust_locals``: the prepare plan will vouch for the params' local tensors (it checks
+        them list-wide; the caller checks :meth:`locals_ok` itself if the plan does not
+        replay)."""
         self.clear()
-        valid = self._cache_ok(optimizer, table) and self._locals_ok()
+        valid = self._cache_ok(optimizer, table) and (trust_locals or self.locals_ok())
         if not valid and not self._build(optimizer, table):
             return None
         return self._groups

@@ -98,6 +98,7 @@ class Preparer:
         self.any_cast = False  # whether collect made dtype-cast copies to restore
         self.work_locals: Buckets = {}
         self.replays = 0  # how many collects replayed the plan (for tests and diagnostics)
+        self.replayed = False  # whether the last collect did
 
     def collect(self, slots: list[Slot], *, cast_grads: bool, group: dist.ProcessGroup | None,
                 fast_token: object | None) -> Buckets:
@@ -105,6 +106,7 @@ class Preparer:
         Raises TypeError/ValueError on a grad that cannot be used (e.g. a plain tensor)."""
         self.any_cast = False
         buckets = None if self.plan is None else self.plan.replay(slots, cast_grads, fast_token)
+        self.replayed = buckets is not None
         if buckets is None:
             buckets = self._full_loop(slots, cast_grads, group, fast_token)
         else:

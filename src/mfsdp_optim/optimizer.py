@@ -231,11 +231,21 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
                 self.invalidate_caches()
             check_param_groups(self.optimizer.param_groups)
             self._route = route_of(self.optimizer, precision_aware=self._precision_aware)
-            token = self._fast.begin(self.optimizer, self._table) if self._route.fast else None
+            token = None
+            if self._route.fast:
+                # a plan recorded over this fast cache vouches for the params' local tensors
+                plan = self._preparer.plan
+                trust = plan is not None and self._fast.token is not None and (
+                    plan.fast_token is self._fast.token)
+                token = self._fast.begin(self.optimizer, self._table, trust_locals=trust)
             self._fast_token = token
             buckets: Buckets | Exception = self._preparer.collect(
                 self._table.slots, cast_grads=not self._precision_aware,
                 group=self.config.grad_stats_group, fast_token=token)
+            if token is not None and trust and not self._preparer.replayed and (
+                    not self._fast.locals_ok()):
+                self._fast.invalidate()  # a local tensor was replaced: generic now, rebuilt next
+                self._fast_token = None
             if scaler is not None and scaler.needs_unscale():
                 self._preparer.unscale(scaler.inv_scale_on, buckets)  # type: ignore[arg-type]
         except Exception as exc:  # joins the collective, so no rank waits, then raises
