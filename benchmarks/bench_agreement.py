@@ -55,8 +55,7 @@ def _worker(rank, world, init, args, out):
     cuda = args.backend == "nccl"
     if cuda:
         torch.cuda.set_device(rank)
-    dist.init_process_group(args.backend, init_method=f"file://{init}", rank=rank,
-                            world_size=world)
+    dist.init_process_group(args.backend, init_method=f"file://{init}", rank=rank, world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -67,8 +66,12 @@ def _worker(rank, world, init, args, out):
     dev = "cuda" if cuda else "cpu"
     mesh = init_device_mesh(dev, (world,))
     gen = torch.Generator().manual_seed(rank)
-    grads = [DTensor.from_local(torch.randn(args.rows, 64, generator=gen).to(dev), mesh,
-                                (Shard(0),), run_check=False) for _ in range(args.grads)]
+    grads = [
+        DTensor.from_local(
+            torch.randn(args.rows, 64, generator=gen).to(dev), mesh, (Shard(0),), run_check=False
+        )
+        for _ in range(args.grads)
+    ]
     buckets = bucket_local_shards(grads, None)
     fns = {
         "old": lambda: _old_reduce(buckets, 2.0, False, None),
@@ -112,15 +115,19 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     init = os.path.join(tempfile.mkdtemp(), "init")
-    procs = [ctx.Process(target=_worker, args=(r, args.world, init, args, out))
-             for r in range(args.world)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, args.world, init, args, out))
+        for r in range(args.world)
+    ]
     for p in procs:
         p.start()
     res = out.get(timeout=600)
     for p in procs:
         p.join()
-    print(f"world {args.world}, {args.grads} grads of {args.rows}x64 fp32 per rank "
-          "(median us per call, max over ranks)")
+    print(
+        f"world {args.world}, {args.grads} grads of {args.rows}x64 fp32 per rank "
+        "(median us per call, max over ranks)"
+    )
     for k, v in res.items():
         print(f"  {k:16s} {v:9.1f} us")
     print(f"  new/old    {res['new'] / res['old']:.2f}x  (+{res['new'] - res['old']:.1f} us)")

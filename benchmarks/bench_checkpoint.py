@@ -99,8 +99,11 @@ def _model(n_params: int, shape, world: int):
     g = torch.Generator().manual_seed(dist.get_rank())
     for i in range(n_params):
         local = torch.randn(shape, generator=g)
-        p = torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
-                                                  shape=gshape, stride=(shape[1], 1)))
+        p = torch.nn.Parameter(
+            DTensor.from_local(
+                local, mesh, [Shard(0)], run_check=False, shape=gshape, stride=(shape[1], 1)
+            )
+        )
         model.register_parameter(f"p{i}", p)
     records = [ParamRecord(n, p, p) for n, p in model.named_parameters()]
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -129,9 +132,14 @@ def worker(rank, world, args, tmp, queue):
     )
 
     model, opt, records = _model(args.params, (args.rows, args.cols), world)
-    res: dict = {"state_bytes": sum(v._local_tensor.numel() * v._local_tensor.element_size()
-                                    for s in opt.state.values() for v in s.values()
-                                    if v.dim() > 0)}
+    res: dict = {
+        "state_bytes": sum(
+            v._local_tensor.numel() * v._local_tensor.element_size()
+            for s in opt.state.values()
+            for v in s.values()
+            if v.dim() > 0
+        )
+    }
     sent0 = dict(_comm.SENT)
     build_sharded_state_dict(opt, records)
     res["keyspace_sent"] = sum(_comm.SENT.values()) - sum(sent0.values())
@@ -140,16 +148,16 @@ def worker(rank, world, args, tmp, queue):
 
     from mfsdp_optim.checkpoint._keyspace import describe
 
-    res["detail_sent"] = 8 + len(pickle.dumps(describe(opt, records).description,
-                                              protocol=pickle.HIGHEST_PROTOCOL))
+    res["detail_sent"] = 8 + len(
+        pickle.dumps(describe(opt, records).description, protocol=pickle.HIGHEST_PROTOCOL)
+    )
     if args.keyspace_only:
         queue.put((rank, res))
         dist.destroy_process_group()
         return
 
     def stock_save():
-        dcp.save({"optimizer": get_optimizer_state_dict(model, opt)},
-                 checkpoint_id=f"{tmp}/stock")
+        dcp.save({"optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=f"{tmp}/stock")
 
     def stock_load():
         osd = get_optimizer_state_dict(model, opt)
@@ -157,8 +165,7 @@ def worker(rank, world, args, tmp, queue):
         set_optimizer_state_dict(model, opt, osd)
 
     def ours_save():
-        dcp.save({"optimizer": build_sharded_state_dict(opt, records)},
-                 checkpoint_id=f"{tmp}/ours")
+        dcp.save({"optimizer": build_sharded_state_dict(opt, records)}, checkpoint_id=f"{tmp}/ours")
 
     def ours_load():
         target = build_sharded_state_dict(opt, records, is_loading=True)
@@ -173,9 +180,14 @@ def worker(rank, world, args, tmp, queue):
         load_checkpoint({"optimizer": target}, f"{tmp}/safe")
         load_sharded_state_dict(opt, records, target)
 
-    for name, fn in [("stock_save", stock_save), ("stock_load", stock_load),
-                     ("ours_save", ours_save), ("ours_load", ours_load),
-                     ("safe_save", safe_save), ("safe_load", safe_load)]:
+    for name, fn in [
+        ("stock_save", stock_save),
+        ("stock_load", stock_load),
+        ("ours_save", ours_save),
+        ("ours_load", ours_load),
+        ("safe_save", safe_save),
+        ("safe_load", safe_load),
+    ]:
         if os.environ.get("BENCH_PROFILE") == name and rank == 0:
             import cProfile
             import pstats
@@ -199,8 +211,10 @@ def run(args) -> dict[int, dict]:
     tmp = tempfile.mkdtemp(prefix="bench_ckpt_")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args.world, args, tmp, queue))
-             for r in range(args.world)]
+    procs = [
+        ctx.Process(target=worker, args=(r, args.world, args, tmp, queue))
+        for r in range(args.world)
+    ]
     for p in procs:
         p.start()
     results = dict(queue.get(timeout=3600) for _ in procs)
@@ -216,38 +230,56 @@ def main():
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--rows", type=int, default=24, help="local rows per param per rank")
     ap.add_argument("--cols", type=int, default=48)
-    ap.add_argument("--keyspace-only", action="store_true",
-                    help="only the bytes each rank sends to agree on the keyspace")
+    ap.add_argument(
+        "--keyspace-only",
+        action="store_true",
+        help="only the bytes each rank sends to agree on the keyspace",
+    )
     args = ap.parse_args()
     t0 = time.perf_counter()
     res = run(args)
     sent = sorted({r["keyspace_sent"] for r in res.values()})
-    print(f"{args.params} params of {args.rows * args.world}x{args.cols}, {args.world} gloo CPU "
-          f"ranks; keyspace agreement: {sent} bytes sent per rank (the detailed exchange: "
-          f"{max(r['detail_sent'] for r in res.values())} bytes sent, x{args.world} received)")
+    print(
+        f"{args.params} params of {args.rows * args.world}x{args.cols}, {args.world} gloo CPU "
+        f"ranks; keyspace agreement: {sent} bytes sent per rank (the detailed exchange: "
+        f"{max(r['detail_sent'] for r in res.values())} bytes sent, x{args.world} received)"
+    )
     if args.keyspace_only:
         return
     worst = {k: max(r[k] for r in res.values()) for k in res[0] if k.endswith("_s")}
     r0 = res[0]
-    print(f"wall {time.perf_counter() - t0:.0f}s; state per rank {r0['state_bytes'] / 2**20:.2f} "
-          f"MiB; worst rank's time")
-    print(f"{'':22}{'save s':>9}{'load s':>9}{'total s':>9}{'x stock':>9}{'MiB':>9}"
-          f"{'x stock':>9}{'items':>8}")
+    print(
+        f"wall {time.perf_counter() - t0:.0f}s; state per rank {r0['state_bytes'] / 2**20:.2f} "
+        f"MiB; worst rank's time"
+    )
+    print(
+        f"{'':22}{'save s':>9}{'load s':>9}{'total s':>9}{'x stock':>9}{'MiB':>9}"
+        f"{'x stock':>9}{'items':>8}"
+    )
     stock_t = worst["stock_save_s"] + worst["stock_load_s"]
-    for kind, label in (("stock", "stock torch"), ("ours", "ours, plain dcp"),
-                        ("safe", "ours, save_checkpoint")):
+    for kind, label in (
+        ("stock", "stock torch"),
+        ("ours", "ours, plain dcp"),
+        ("safe", "ours, save_checkpoint"),
+    ):
         t = worst[f"{kind}_save_s"] + worst[f"{kind}_load_s"]
         b = r0[f"{kind}_bytes"]
-        print(f"{label:22}{worst[f'{kind}_save_s']:9.2f}{worst[f'{kind}_load_s']:9.2f}{t:9.2f}"
-              f"{t / stock_t:9.2f}{b / 2**20:9.2f}{b / r0['stock_bytes']:9.2f}"
-              f"{r0[f'{kind}_items']:8d}")
-    print("peak RSS increase over the phase's start, MiB (rank 0 / rank "
-          f"{args.world - 1}), state per rank {r0['state_bytes'] / 2**20:.2f} MiB:")
+        print(
+            f"{label:22}{worst[f'{kind}_save_s']:9.2f}{worst[f'{kind}_load_s']:9.2f}{t:9.2f}"
+            f"{t / stock_t:9.2f}{b / 2**20:9.2f}{b / r0['stock_bytes']:9.2f}"
+            f"{r0[f'{kind}_items']:8d}"
+        )
+    print(
+        "peak RSS increase over the phase's start, MiB (rank 0 / rank "
+        f"{args.world - 1}), state per rank {r0['state_bytes'] / 2**20:.2f} MiB:"
+    )
     last = res[args.world - 1]
     for kind in ("stock", "ours", "safe"):
-        print(f"  {kind:6} save {r0[f'{kind}_save_rss'] / 2**20:7.1f} / "
-              f"{last[f'{kind}_save_rss'] / 2**20:7.1f}   load "
-              f"{r0[f'{kind}_load_rss'] / 2**20:7.1f} / {last[f'{kind}_load_rss'] / 2**20:7.1f}")
+        print(
+            f"  {kind:6} save {r0[f'{kind}_save_rss'] / 2**20:7.1f} / "
+            f"{last[f'{kind}_save_rss'] / 2**20:7.1f}   load "
+            f"{r0[f'{kind}_load_rss'] / 2**20:7.1f} / {last[f'{kind}_load_rss'] / 2**20:7.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -67,8 +67,9 @@ class Block(torch.nn.Module):
         def split(t: torch.Tensor) -> torch.Tensor:
             return t.view(b, s, self.heads, d // self.heads).transpose(1, 2)
 
-        a = F.scaled_dot_product_attention(split(self.q(h)), split(self.k(h)), split(self.v(h)),
-                                           is_causal=True)
+        a = F.scaled_dot_product_attention(
+            split(self.q(h)), split(self.k(h)), split(self.v(h)), is_causal=True
+        )
         x = x + self.o(a.transpose(1, 2).reshape(b, s, d))
         return x + self.down(F.gelu(self.up(self.ln2(x))))
 
@@ -196,13 +197,20 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rtol", type=float, default=2e-2,
-                    help="relative tolerance of the cross-contender loss and norm checks")
-    ap.add_argument("--compare", default="",
-                    help="also run (b) and (c) with another importable copy of the package: "
-                         "'module' or 'module=PATH' (PATH is put on sys.path); rows "
-                         "'wrap[module]', 'nosync[module]' (the latter only if its "
-                         "OptimizerConfig takes host_sync)")
+    ap.add_argument(
+        "--rtol",
+        type=float,
+        default=2e-2,
+        help="relative tolerance of the cross-contender loss and norm checks",
+    )
+    ap.add_argument(
+        "--compare",
+        default="",
+        help="also run (b) and (c) with another importable copy of the package: "
+        "'module' or 'module=PATH' (PATH is put on sys.path); rows "
+        "'wrap[module]', 'nosync[module]' (the latter only if its "
+        "OptimizerConfig takes host_sync)",
+    )
     args = ap.parse_args()
     if args.iters < 1 or args.rounds < 1:
         raise SystemExit("--iters and --rounds must be at least 1")
@@ -227,10 +235,18 @@ def main() -> None:
     contenders: list[Contender] = []
     model = _build(args, device, mesh)
     contenders.append(Contender("stock", model, batches, "stock", adamw(model)))
-    for name, kind, pkg in (("wrap", "sync", None), ("nosync", "nosync", None),
-                            *(((f"wrap[{other.__name__}]", "sync", other),
-                               (f"nosync[{other.__name__}]", "nosync", other))
-                              if other is not None else ())):
+    for name, kind, pkg in (
+        ("wrap", "sync", None),
+        ("nosync", "nosync", None),
+        *(
+            (
+                (f"wrap[{other.__name__}]", "sync", other),
+                (f"nosync[{other.__name__}]", "nosync", other),
+            )
+            if other is not None
+            else ()
+        ),
+    ):
         mod_fso = FullyShardedOptimizer if pkg is None else pkg.FullyShardedOptimizer
         mod_cfg = OptimizerConfig if pkg is None else pkg.OptimizerConfig
         try:
@@ -243,31 +259,38 @@ def main() -> None:
 
     params = list(contenders[0].model.parameters())
     numel = sum(p.numel() for p in params)
-    print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}),"
-          f" torch {torch.__version__}; TinyLM {args.layers} layers, d_model {args.dim}, "
-          f"{args.heads} heads, seq {args.seq}, batch {args.batch}, vocab {args.vocab}: "
-          f"{len(params)} params, {numel} elements; fp32, FSDP2 on 1 rank ({backend}), "
-          f"fused AdamW lr {args.lr:g}, clip 1.0; {args.warmup} warm-up + {args.rounds} rounds x "
-          f"{args.iters} iterations")
+    print(
+        f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}),"
+        f" torch {torch.__version__}; TinyLM {args.layers} layers, d_model {args.dim}, "
+        f"{args.heads} heads, seq {args.seq}, batch {args.batch}, vocab {args.vocab}: "
+        f"{len(params)} params, {numel} elements; fp32, FSDP2 on 1 rank ({backend}), "
+        f"fused AdamW lr {args.lr:g}, clip 1.0; {args.warmup} warm-up + {args.rounds} rounds x "
+        f"{args.iters} iterations"
+    )
 
     start_loss = [_eval_loss(c.model, batches[0]) for c in contenders]
     for c in contenders:
         c.run(args.warmup, device)
     times: dict[str, list[float]] = {c.name: [] for c in contenders}
     for r in range(args.rounds):
-        order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
+        order = contenders[r % len(contenders) :] + contenders[: r % len(contenders)]
         for c in order:
             times[c.name].append(c.run(args.iters, device))
-        print(f"round {r + 1}: " + " | ".join(
-            f"{c.name} {args.iters / times[c.name][-1]:.1f} it/s" for c in contenders))
+        print(
+            f"round {r + 1}: "
+            + " | ".join(f"{c.name} {args.iters / times[c.name][-1]:.1f} it/s" for c in contenders)
+        )
 
     ips = {k: args.iters / statistics.median(v) for k, v in times.items()}
     a, b, c = ips["stock"], ips["wrap"], ips["nosync"]
-    print(f"median of {args.rounds} rounds (iterations/s): "
-          + ", ".join(f"{k} {v:.1f}" for k, v in ips.items())
-          + f" | c/a {c / a:.3f}, c/b {c / b:.3f}, b/a {b / a:.3f}"
-          + "".join(f", {k}/a {v / a:.3f}" for k, v in ips.items()
-                    if k not in ("stock", "wrap", "nosync")))
+    print(
+        f"median of {args.rounds} rounds (iterations/s): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in ips.items())
+        + f" | c/a {c / a:.3f}, c/b {c / b:.3f}, b/a {b / a:.3f}"
+        + "".join(
+            f", {k}/a {v / a:.3f}" for k, v in ips.items() if k not in ("stock", "wrap", "nosync")
+        )
+    )
     _check(args, contenders, start_loss, batches)
     dist.destroy_process_group()
 
@@ -280,36 +303,46 @@ def _check(args, contenders: list[Contender], start_loss: list[float], batches) 
     evals = {c.name: _eval_loss(c.model, batches[0]) for c in contenders}
     for c, start in zip(contenders, start_loss):
         if c.steps != ref.steps or len(c.norms) != ref.steps:
-            problems.append(f"{c.name}: {c.steps} steps, {len(c.norms)} norms, expected "
-                            f"{ref.steps}")
+            problems.append(
+                f"{c.name}: {c.steps} steps, {len(c.norms)} norms, expected {ref.steps}"
+            )
         if not all(math.isfinite(v) for v in c.norms + [losses[c.name], evals[c.name]]):
             problems.append(f"{c.name}: non-finite norm or loss")
         if not evals[c.name] < start:
-            problems.append(f"{c.name}: loss on batch 0 did not fall ({start:.4f} -> "
-                            f"{evals[c.name]:.4f})")
-        for what, got, want in (("training loss", losses[c.name], losses[ref.name]),
-                                ("batch-0 loss", evals[c.name], evals[ref.name])):
+            problems.append(
+                f"{c.name}: loss on batch 0 did not fall ({start:.4f} -> {evals[c.name]:.4f})"
+            )
+        for what, got, want in (
+            ("training loss", losses[c.name], losses[ref.name]),
+            ("batch-0 loss", evals[c.name], evals[ref.name]),
+        ):
             if not math.isclose(got, want, rel_tol=args.rtol):
                 problems.append(f"{c.name}: {what} {got:.6f} vs stock {want:.6f}")
         fell, ref_fell = start - evals[c.name], start_loss[0] - evals[ref.name]
         if abs(fell - ref_fell) > args.rtol * abs(ref_fell):
-            problems.append(f"{c.name}: batch-0 loss fell by {fell:.6f}, stock's by "
-                            f"{ref_fell:.6f}")
-        worst = max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(c.norms, ref.norms)),
-                    default=0.0)
+            problems.append(f"{c.name}: batch-0 loss fell by {fell:.6f}, stock's by {ref_fell:.6f}")
+        worst = max(
+            (abs(x - y) / max(abs(y), 1e-12) for x, y in zip(c.norms, ref.norms)), default=0.0
+        )
         if worst > args.rtol:
             problems.append(f"{c.name}: norms differ from stock's by up to {worst:.2e} relative")
     first = ref.norms[0] if ref.norms else float("nan")
-    print(f"check: {ref.steps} steps each; batch-0 loss {start_loss[0]:.4f} -> "
-          + ", ".join(f"{k} {v:.6f}" for k, v in evals.items())
-          + "; last training loss " + ", ".join(f"{k} {v:.6f}" for k, v in losses.items())
-          + f"; grad norm step 1 {first:.4f}, last "
-          + ", ".join(f"{c.name} {c.norms[-1]:.6f}" for c in contenders if c.norms)
-          + f" (rtol {args.rtol:g}); clip acted on {sum(n > 1.0 for n in ref.norms)}/"
-          f"{len(ref.norms)} steps; "
-          + ", ".join(f"{c.name}: {getattr(c.opt, 'fast_steps', '?')} fast steps, "
-                      f"{getattr(c.opt, 'clip_folds', '?')} clip folds"
-                      for c in contenders if c.kind != "stock"))
+    print(
+        f"check: {ref.steps} steps each; batch-0 loss {start_loss[0]:.4f} -> "
+        + ", ".join(f"{k} {v:.6f}" for k, v in evals.items())
+        + "; last training loss "
+        + ", ".join(f"{k} {v:.6f}" for k, v in losses.items())
+        + f"; grad norm step 1 {first:.4f}, last "
+        + ", ".join(f"{c.name} {c.norms[-1]:.6f}" for c in contenders if c.norms)
+        + f" (rtol {args.rtol:g}); clip acted on {sum(n > 1.0 for n in ref.norms)}/"
+        f"{len(ref.norms)} steps; "
+        + ", ".join(
+            f"{c.name}: {getattr(c.opt, 'fast_steps', '?')} fast steps, "
+            f"{getattr(c.opt, 'clip_folds', '?')} clip folds"
+            for c in contenders
+            if c.kind != "stock"
+        )
+    )
     if problems:
         raise SystemExit("CHECK FAILED:\n  " + "\n  ".join(problems))
     print("check: OK")

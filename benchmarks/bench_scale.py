@@ -41,8 +41,13 @@ def _worker(rank, world, init_file, root, n_params, numel, out_file):
     from mfsdp_optim.optimizer import FullyShardedOptimizer
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=300),
+    )
     rss = {"start": _rss_mb()}
     dense_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     moe = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("ep", "edp"))
@@ -59,8 +64,11 @@ def _worker(rank, world, init_file, root, n_params, numel, out_file):
         c = mesh.get_coordinate()[0]
         chunks = torch.chunk(full, k, dim=0)
         local = chunks[c].clone() if c < len(chunks) else full[0:0].clone()
-        return torch.nn.Parameter(DTensor.from_local(local, mesh, (Shard(0),), run_check=False,
-                                                     shape=full.shape, stride=full.stride()))
+        return torch.nn.Parameter(
+            DTensor.from_local(
+                local, mesh, (Shard(0),), run_check=False, shape=full.shape, stride=full.stride()
+            )
+        )
 
     def build(seed0):
         model = torch.nn.Module()
@@ -69,11 +77,11 @@ def _worker(rank, world, init_file, root, n_params, numel, out_file):
         for i in range(n_dense):
             dense.register_parameter(f"w{i}", make(dense_mesh, seed0 + i))
         for i in range(n_expert // 2):
-            experts.register_parameter(f"e{ep}_{i}", make(edp_mesh, seed0 + 10**6 + ep * 10**5
-                                                          + i))
+            experts.register_parameter(f"e{ep}_{i}", make(edp_mesh, seed0 + 10**6 + ep * 10**5 + i))
         model.dense, model.experts = dense, experts
-        opt = FullyShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3,
-                                                      foreach=True), model_chunks=[model])
+        opt = FullyShardedOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True), model_chunks=[model]
+        )
         return model, opt
 
     model, opt = build(0)
@@ -83,15 +91,24 @@ def _worker(rank, world, init_file, root, n_params, numel, out_file):
     t0 = time.perf_counter()
     for step in range(2):
         for i, p in enumerate(params):
-            p.grad = DTensor.from_local(torch.full_like(p._local_tensor, 1e-3 * (i % 7 + step)),
-                                        p.device_mesh, p.placements, run_check=False,
-                                        shape=p.shape, stride=p.stride())
+            p.grad = DTensor.from_local(
+                torch.full_like(p._local_tensor, 1e-3 * (i % 7 + step)),
+                p.device_mesh,
+                p.placements,
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
+            )
         opt.step()
         opt.zero_grad()
     t["2 steps (stats + AdamW)"] = time.perf_counter() - t0
     rss["stepped"] = _rss_mb()
-    state_bytes = sum(v.numel() * v.element_size() for s in opt.optimizer.state.values()
-                      for v in s.values() if torch.is_tensor(v))
+    state_bytes = sum(
+        v.numel() * v.element_size()
+        for s in opt.optimizer.state.values()
+        for v in s.values()
+        if torch.is_tensor(v)
+    )
     param_bytes = sum(p._local_tensor.numel() * p._local_tensor.element_size() for p in params)
 
     def timed(name, fn):
@@ -103,36 +120,57 @@ def _worker(rank, world, init_file, root, n_params, numel, out_file):
         return r
 
     sd = timed("sharded_state_dict", lambda: opt.sharded_state_dict())
-    timed("dcp.save (plain)", lambda: dcp.save({"optimizer": sd},
-                                               checkpoint_id=os.path.join(root, "plain")))
-    timed("save_checkpoint, no checksums",
-          lambda: save_checkpoint({"optimizer": sd}, os.path.join(root, "nocrc")))
-    timed("save_checkpoint, checksums",
-          lambda: save_checkpoint({"optimizer": sd}, os.path.join(root, "crc")))
+    timed(
+        "dcp.save (plain)",
+        lambda: dcp.save({"optimizer": sd}, checkpoint_id=os.path.join(root, "plain")),
+    )
+    timed(
+        "save_checkpoint, no checksums",
+        lambda: save_checkpoint({"optimizer": sd}, os.path.join(root, "nocrc")),
+    )
+    timed(
+        "save_checkpoint, checksums",
+        lambda: save_checkpoint({"optimizer": sd}, os.path.join(root, "crc")),
+    )
     rss["saved"] = _rss_mb()
     sd = None  # drop the state dict (the lambdas above read it late, so no `del`)
 
     model2, opt2 = build(0)
-    target = timed("sharded_state_dict(is_loading)",
-                   lambda: opt2.sharded_state_dict(is_loading=True))
-    timed("dcp.load (plain)", lambda: dcp.load({"optimizer": target},
-                                               checkpoint_id=os.path.join(root, "plain")))
-    timed("load_checkpoint, no checksum verify",
-          lambda: load_checkpoint({"optimizer": target}, os.path.join(root, "nocrc"),
-                                  verify_checksums=False))
-    timed("load_checkpoint, checksum verify",
-          lambda: load_checkpoint({"optimizer": target}, os.path.join(root, "crc")))
+    target = timed(
+        "sharded_state_dict(is_loading)", lambda: opt2.sharded_state_dict(is_loading=True)
+    )
+    timed(
+        "dcp.load (plain)",
+        lambda: dcp.load({"optimizer": target}, checkpoint_id=os.path.join(root, "plain")),
+    )
+    timed(
+        "load_checkpoint, no checksum verify",
+        lambda: load_checkpoint(
+            {"optimizer": target}, os.path.join(root, "nocrc"), verify_checksums=False
+        ),
+    )
+    timed(
+        "load_checkpoint, checksum verify",
+        lambda: load_checkpoint({"optimizer": target}, os.path.join(root, "crc")),
+    )
     timed("load_state_dict", lambda: opt2.load_state_dict(target))
     rss["loaded"] = _rss_mb()
     same = all(
         torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k]
-        for (pa, a), (pb, b) in zip(opt.optimizer.state.items(), opt2.optimizer.state.items(),
-                                    strict=True)
+        for (pa, a), (pb, b) in zip(
+            opt.optimizer.state.items(), opt2.optimizer.state.items(), strict=True
+        )
         for k in a
     )
-    res = {"rank": rank, "rss_mb": rss, "times_s": t, "state_mb": state_bytes / 2**20,
-           "param_mb": param_bytes / 2**20, "bitwise_equal": same,
-           "local_params": len(opt.optimizer.param_groups[0]["params"])}
+    res = {
+        "rank": rank,
+        "rss_mb": rss,
+        "times_s": t,
+        "state_mb": state_bytes / 2**20,
+        "param_mb": param_bytes / 2**20,
+        "bitwise_equal": same,
+        "local_params": len(opt.optimizer.param_groups[0]["params"]),
+    }
     gathered = [None] * world
     dist.all_gather_object(gathered, res)
     if rank == 0:
@@ -154,9 +192,21 @@ def main() -> None:
     out_file = os.path.join(root, "result.json")
     ctx = mp.get_context("spawn")
     t0 = time.perf_counter()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, os.path.join(root, "init"), root,
-                                               args.params, args.numel, out_file))
-             for r in range(args.world)]
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(
+                r,
+                args.world,
+                os.path.join(root, "init"),
+                root,
+                args.params,
+                args.numel,
+                out_file,
+            ),
+        )
+        for r in range(args.world)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -165,17 +215,24 @@ def main() -> None:
         sys.exit(f"a rank failed: {[p.exitcode for p in procs]}")
     with open(out_file) as f:
         res = json.load(f)
-    sizes = {d: sum(os.path.getsize(os.path.join(root, d, f)) for f in os.listdir(
-        os.path.join(root, d))) / 2**20 for d in ("plain", "crc")}
-    print(f"{args.params} params x {args.numel} elements, {args.world} ranks, wall "
-          f"{time.perf_counter() - t0:.1f}s; checkpoint {sizes['plain']:.1f} MiB "
-          f"(with checksums {sizes['crc']:.1f} MiB)")
+    sizes = {
+        d: sum(os.path.getsize(os.path.join(root, d, f)) for f in os.listdir(os.path.join(root, d)))
+        / 2**20
+        for d in ("plain", "crc")
+    }
+    print(
+        f"{args.params} params x {args.numel} elements, {args.world} ranks, wall "
+        f"{time.perf_counter() - t0:.1f}s; checkpoint {sizes['plain']:.1f} MiB "
+        f"(with checksums {sizes['crc']:.1f} MiB)"
+    )
     print("rank  params  state MiB  param MiB  peak RSS MiB: built / stepped / saved / loaded")
     for r in res:
         rss = r["rss_mb"]
-        print(f"{r['rank']:>4}  {r['local_params']:>6}  {r['state_mb']:>9.1f}  "
-              f"{r['param_mb']:>9.1f}  {rss['built']:.0f} / {rss['stepped']:.0f} / "
-              f"{rss['saved']:.0f} / {rss['loaded']:.0f}   bitwise {r['bitwise_equal']}")
+        print(
+            f"{r['rank']:>4}  {r['local_params']:>6}  {r['state_mb']:>9.1f}  "
+            f"{r['param_mb']:>9.1f}  {rss['built']:.0f} / {rss['stepped']:.0f} / "
+            f"{rss['saved']:.0f} / {rss['loaded']:.0f}   bitwise {r['bitwise_equal']}"
+        )
     print("phase (max over ranks, s):")
     for k in res[0]["times_s"]:
         print(f"  {k:<40} {max(r['times_s'][k] for r in res):.2f}")

@@ -269,7 +269,8 @@ def sweep(device: torch.device, warmup: int, repeats: int) -> None:
             plan = _fused._plan(ts, p, 1, True, zeros)
             ms = time_ms(lambda plan=plan: _fused._launch(kernel, plan), device, warmup, repeats)
             print(
-                f"default cfg, p={p} count_zeros={zeros}: {ms:8.3f} ms {nbytes / ms / 1e6:8.0f} GB/s"
+                f"default cfg, p={p} count_zeros={zeros}: {ms:8.3f} ms "
+                f"{nbytes / ms / 1e6:8.0f} GB/s"
             )
         del ts
     _fused._BLOCK, _fused._NUM_WARPS, _fused._FOLD = saved

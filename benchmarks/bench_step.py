@@ -104,7 +104,7 @@ def _interleaved(device: torch.device, fns: dict, warmup: int, iters: int) -> di
     names = list(fns)
     times: dict[str, list[float]] = {k: [] for k in names}
     for r in range(iters):
-        for k in names[r % len(names):] + names[:r % len(names)]:
+        for k in names[r % len(names) :] + names[: r % len(names)]:
             times[k].append(_time_once(device, fns[k]))
     return {k: statistics.median(v) for k, v in times.items()}
 
@@ -148,6 +148,7 @@ def _runs_of(shapes):
 def _bare_clip(opt, locals_, clip: float):
     """The stock baseline with clipping: ``clip_grad_norm_`` on the plain tensors, then the
     base optimizer's step."""
+
     def step():
         torch.nn.utils.clip_grad_norm_(locals_, clip)
         opt.step()
@@ -199,20 +200,37 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--no-triton", action="store_true", help="skip the triton_adam_step row")
     ap.add_argument("--sets", default=",".join(SHAPE_SETS))
-    ap.add_argument("--model", choices=sorted(MODELS), default=None,
-                    help="time a model's param set instead of --sets (adds bare+clip)")
-    ap.add_argument("--bare-clip", action="store_true",
-                    help="also time bare+clip (base step + clip_grad_norm_) with --sets")
+    ap.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default=None,
+        help="time a model's param set instead of --sets (adds bare+clip)",
+    )
+    ap.add_argument(
+        "--bare-clip",
+        action="store_true",
+        help="also time bare+clip (base step + clip_grad_norm_) with --sets",
+    )
     ap.add_argument("--modes", default="fused,foreach")
     ap.add_argument("--clip", type=float, default=1.0, help="OptimizerConfig.clip_grad (0: off)")
-    ap.add_argument("--profile", action="store_true",
-                    help="also cProfile 5 wrapper steps per row (host time by function)")
-    ap.add_argument("--compare", default="",
-                    help="also time the wrapper of another importable copy of the package (e.g. "
-                         "the previous main, renamed): 'module' or 'module=PATH' (PATH is put "
-                         "on sys.path); its row is 'wrap[module]'")
-    ap.add_argument("--optimizer", choices=("adamw", "apex_fused_adam"), default="adamw",
-                    help="the base optimizer (apex_fused_adam: apex.optimizers.FusedAdam)")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also cProfile 5 wrapper steps per row (host time by function)",
+    )
+    ap.add_argument(
+        "--compare",
+        default="",
+        help="also time the wrapper of another importable copy of the package (e.g. "
+        "the previous main, renamed): 'module' or 'module=PATH' (PATH is put "
+        "on sys.path); its row is 'wrap[module]'",
+    )
+    ap.add_argument(
+        "--optimizer",
+        choices=("adamw", "apex_fused_adam"),
+        default="adamw",
+        help="the base optimizer (apex_fused_adam: apex.optimizers.FusedAdam)",
+    )
     args = ap.parse_args()
     other = _import_other(args.compare) if args.compare else None
     apex = args.optimizer == "apex_fused_adam"
@@ -236,8 +254,10 @@ def main() -> None:
     dist.init_process_group(backend, store=store, rank=0, world_size=1)
     mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("dp_shard",))
     bw = _copy_bandwidth(device, 256 * 2**20 if device.type == "cuda" else 64 * 2**20)
-    print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}),"
-          f" torch {torch.__version__}, copy bandwidth {bw / 1e9:.1f} GB/s")
+    print(
+        f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}),"
+        f" torch {torch.__version__}, copy bandwidth {bw / 1e9:.1f} GB/s"
+    )
     runs = []  # (label, param shapes)
     if args.model:
         shapes = MODELS[args.model](args.scale, args.count_scale)
@@ -251,9 +271,11 @@ def main() -> None:
             runs.append((f"{count}x{rows}x{cols}", [(rows, cols)] * count))
     with_clip = (args.model is not None or args.bare_clip) and args.clip > 0
     if args.model:
-        print(f"{runs[0][0]}: {len(runs[0][1])} params, "
-              f"{sum(math.prod(sh) for sh in runs[0][1])} elements, shapes "
-              + ", ".join(f"{k} x {sh}" for sh, k in _runs_of(runs[0][1])))
+        print(
+            f"{runs[0][0]}: {len(runs[0][1])} params, "
+            f"{sum(math.prod(sh) for sh in runs[0][1])} elements, shapes "
+            + ", ".join(f"{k} x {sh}" for sh, k in _runs_of(runs[0][1]))
+        )
     for label, shapes in runs:
         numel = sum(math.prod(sh) for sh in shapes)
         floor_ms = 28 * numel / bw * 1e3
@@ -272,33 +294,42 @@ def main() -> None:
                     continue
                 _, params = _make_shapes(shapes, device, mesh, 2)
                 wrappers[name] = FullyShardedOptimizer(
-                    base_opt(params, kw), OptimizerConfig(clip_grad=args.clip, **extra))
+                    base_opt(params, kw), OptimizerConfig(clip_grad=args.clip, **extra)
+                )
                 contenders[name] = wrappers[name].step
             if other is not None:
                 _, params = _make_shapes(shapes, device, mesh, 2)
                 name = f"wrap[{other.__name__}]"
                 wrappers[name] = other.FullyShardedOptimizer(
-                    base_opt(params, kw), other.OptimizerConfig(clip_grad=args.clip))
+                    base_opt(params, kw), other.OptimizerConfig(clip_grad=args.clip)
+                )
                 contenders[name] = wrappers[name].step
             clip_locals = None
             if with_clip:
                 clip_locals, _ = _make_shapes(shapes, device, mesh, 3, dtensors=False)
-                contenders["bare+clip"] = _bare_clip(base_opt(clip_locals, kw), clip_locals,
-                                                     args.clip)
+                contenders["bare+clip"] = _bare_clip(
+                    base_opt(clip_locals, kw), clip_locals, args.clip
+                )
             t = _interleaved(device, contenders, args.warmup, args.iters)
             a = t["bare"]
-            cells = " ".join(f"{k} {t[k]:.2f} ms ({t[k] / a:.2f}x bare, {t[k] / floor_ms:.2f}x "
-                             f"floor)" for k in contenders)
-            notes = ", ".join(f"{k}: {w.fast_steps} fast steps, {w.clip_folds} clip folds"
-                              + (f", {w._triton.launches} triton launches"
-                                 if getattr(w, "_triton", None) else "")
-                              for k, w in wrappers.items())
+            cells = " ".join(
+                f"{k} {t[k]:.2f} ms ({t[k] / a:.2f}x bare, {t[k] / floor_ms:.2f}x floor)"
+                for k in contenders
+            )
+            notes = ", ".join(
+                f"{k}: {w.fast_steps} fast steps, {w.clip_folds} clip folds"
+                + (f", {w._triton.launches} triton launches" if getattr(w, "_triton", None) else "")
+                for k, w in wrappers.items()
+            )
             print(f"{label} {mode}: floor {floor_ms:.2f} ms | {cells} | {notes}")
             if with_clip:
                 c = t["bare+clip"]
-                print(f"{label} {mode} over bare+clip ({c:.2f} ms, clip {args.clip:g}): "
-                      + ", ".join(f"{k}/bare+clip {t[k] / c:.3f}" for k in contenders
-                                  if k != "bare+clip"))
+                print(
+                    f"{label} {mode} over bare+clip ({c:.2f} ms, clip {args.clip:g}): "
+                    + ", ".join(
+                        f"{k}/bare+clip {t[k] / c:.3f}" for k in contenders if k != "bare+clip"
+                    )
+                )
             _check_finite(label, mode, locals_ + (clip_locals or []) + (dparams or []), wrappers)
             if args.profile:
                 _profile(wrappers["wrap"].step, f"{label} {mode}")

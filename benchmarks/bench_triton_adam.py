@@ -51,8 +51,15 @@ def main() -> None:
 def _run_set(name, count, shape, dev, bw, configs, iters) -> None:
     from mfsdp_optim import _triton_adam as ta
 
-    group = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, amsgrad=False,
-                 maximize=False, decoupled_weight_decay=True)
+    group = dict(
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.01,
+        amsgrad=False,
+        maximize=False,
+        decoupled_weight_decay=True,
+    )
     tri = ta.TritonAdam()
 
     def make():
@@ -66,24 +73,44 @@ def _run_set(name, count, shape, dev, bw, configs, iters) -> None:
 
     def torch_step(gs=None):
         torch._foreach_add_(steps, 1)
-        torch._fused_adamw_(p, g, m, v, [], steps, amsgrad=False, lr=1e-3, beta1=0.9,
-                            beta2=0.999, weight_decay=0.01, eps=1e-8, maximize=False,
-                            grad_scale=gs, found_inf=None)
+        torch._fused_adamw_(
+            p,
+            g,
+            m,
+            v,
+            [],
+            steps,
+            amsgrad=False,
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            weight_decay=0.01,
+            eps=1e-8,
+            maximize=False,
+            grad_scale=gs,
+            found_inf=None,
+        )
 
     def triton_step():
         assert tri.step(group, p, g, m, v, steps, divisor)
 
-    base = _interleaved(dev, {"torch": torch_step, "torch+clip": lambda: torch_step(divisor)}, 3,
-                        iters)
-    print(f"{name}: floor {floor:.2f} ms | torch {base['torch']:.2f} ms "
-          f"({base['torch'] / floor:.2f}x floor) | torch+clip {base['torch+clip']:.2f} ms "
-          f"({base['torch+clip'] / floor:.2f}x)")
+    base = _interleaved(
+        dev, {"torch": torch_step, "torch+clip": lambda: torch_step(divisor)}, 3, iters
+    )
+    print(
+        f"{name}: floor {floor:.2f} ms | torch {base['torch']:.2f} ms "
+        f"({base['torch'] / floor:.2f}x floor) | torch+clip {base['torch+clip']:.2f} ms "
+        f"({base['torch+clip'] / floor:.2f}x)"
+    )
     for block, warps, progs in configs:
         ta._BLOCK, ta._NUM_WARPS, ta._PROGRAMS_PER_SM = block, warps, progs
         t = _interleaved(dev, {"triton": triton_step, "torch": torch_step}, 3, iters)
-        print(f"  triton+clip BLOCK={block} warps={warps} progs/SM={progs}: "
-              f"{t['triton']:.2f} ms ({t['triton'] / floor:.2f}x floor, "
-              f"{t['triton'] / t['torch']:.2f}x torch)")
+        print(
+            f"  triton+clip BLOCK={block} warps={warps} progs/SM={progs}: "
+            f"{t['triton']:.2f} ms ({t['triton'] / floor:.2f}x floor, "
+            f"{t['triton'] / t['torch']:.2f}x torch)"
+        )
+
 
 if __name__ == "__main__":
     main()

@@ -26,10 +26,12 @@ __all__ = ["ModelConfig", "MoETransformer", "make_rule", "global_batch"]
 
 # torch 2.13 renamed the functional collectives (the old names still work, with a warning)
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-_all_gather_ad = (getattr(funcol, "all_gather_single_autograd", None)
-                  or funcol.all_gather_tensor_autograd)
-_reduce_scatter_ad = (getattr(funcol, "reduce_scatter_single_autograd", None)
-                      or funcol.reduce_scatter_tensor_autograd)
+_all_gather_ad = (
+    getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+)
+_reduce_scatter_ad = (
+    getattr(funcol, "reduce_scatter_single_autograd", None) or funcol.reduce_scatter_tensor_autograd
+)
 
 
 class ModelConfig:
@@ -142,9 +144,7 @@ class MoE(nn.Module):
             h_all = _all_gather_ad(h, 0, self.ep_group)
             idx_all = _all_gather(idx, 0, self.ep_group)
             y_all = self.experts(funcol.wait_tensor(h_all), funcol.wait_tensor(idx_all))
-            y = funcol.wait_tensor(
-                _reduce_scatter_ad(y_all, "sum", 0, self.ep_group)
-            )
+            y = funcol.wait_tensor(_reduce_scatter_ad(y_all, "sum", 0, self.ep_group))
         return (y * gate.unsqueeze(-1).to(y.dtype)).view(b, t, c), aux
 
 
@@ -174,10 +174,12 @@ class MoETransformer(nn.Module):
         torch.manual_seed(seed)
         self.tok = nn.Embedding(cfg.vocab, cfg.dim)
         self.pos = nn.Embedding(cfg.seq, cfg.dim)
-        self.layers = nn.ModuleList([
-            Block(cfg, MLP(cfg.dim, cfg.ffn)),
-            Block(cfg, MoE(cfg, ep_rank, ep_size, ep_group, seed)),
-        ])
+        self.layers = nn.ModuleList(
+            [
+                Block(cfg, MLP(cfg.dim, cfg.ffn)),
+                Block(cfg, MoE(cfg, ep_rank, ep_size, ep_group, seed)),
+            ]
+        )
         self.norm = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab)
 

@@ -54,28 +54,49 @@ TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-2}  # max |loss diff| resume
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=None, help="training steps (default 200; 40 with --quick)")
-    p.add_argument("--save-at", type=int, default=None,
-                   help="checkpoint after this many steps and resume from it (default: steps/2)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--steps", type=int, default=None, help="training steps (default 200; 40 with --quick)"
+    )
+    p.add_argument(
+        "--save-at",
+        type=int,
+        default=None,
+        help="checkpoint after this many steps and resume from it (default: steps/2)",
+    )
     p.add_argument("--quick", action="store_true", help="a short run: 40 steps, save at 20")
     p.add_argument("--world-size", type=int, default=4, help="ranks of the first run (CPU)")
-    p.add_argument("--resume-world-size", type=int, default=2, help="ranks of the resumed run (CPU)")
+    p.add_argument(
+        "--resume-world-size", type=int, default=2, help="ranks of the resumed run (CPU)"
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--loss-scale", choices=["none", "dynamic"], default="none",
-                   help="dynamic: DynamicGradScaler, skips steps whose grads overflow")
-    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
-                   help="compute dtype (FSDP2 MixedPrecisionPolicy); default fp32, or fp16 with "
-                        "--loss-scale dynamic")
+    p.add_argument(
+        "--loss-scale",
+        choices=["none", "dynamic"],
+        default="none",
+        help="dynamic: DynamicGradScaler, skips steps whose grads overflow",
+    )
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "fp16"],
+        default=None,
+        help="compute dtype (FSDP2 MixedPrecisionPolicy); default fp32, or fp16 with "
+        "--loss-scale dynamic",
+    )
     p.add_argument("--clip", type=float, default=1.0, help="clip the global grad norm to this")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="demo_out", help="checkpoint, metrics and plot go here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
-    p.add_argument("--phase", choices=["all", "train", "resume"], default="all",
-                   help="under torchrun: which phase this launch runs (default: train, or "
-                        "resume if --phase resume)")
+    p.add_argument(
+        "--phase",
+        choices=["all", "train", "resume"],
+        default="all",
+        help="under torchrun: which phase this launch runs (default: train, or "
+        "resume if --phase resume)",
+    )
     args = p.parse_args(argv)
     if args.steps is None:
         args.steps = 40 if args.quick else 200
@@ -91,7 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or (
-        "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ)
+        "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,8 +163,9 @@ class Ctx:
         fully_shard(model, mesh=self.dense_mesh, mp_policy=mp)
         self.model = model
 
-        base = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                                 weight_decay=0.01)
+        base = torch.optim.AdamW(
+            model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01
+        )
         scaler = None
         if args.loss_scale == "dynamic":
             # starts too high on purpose: the first steps overflow in fp16 and are skipped on
@@ -210,8 +233,9 @@ def why_stage(ctx: Ctx) -> None:
     # on every rank; each ep group holds different experts (same shapes), so gather the expert
     # tensors of one rank per group (edp coordinate 0).
     dense_full = [p.grad.full_tensor().float().flatten() for n, p in named if ".experts." not in n]
-    expert_full = torch.cat([p.grad.full_tensor().float().flatten()
-                             for n, p in named if ".experts." in n])
+    expert_full = torch.cat(
+        [p.grad.full_tensor().float().flatten() for n, p in named if ".experts." in n]
+    )
     everyone_experts = [torch.empty_like(expert_full) for _ in range(ctx.world)]
     dist.all_gather(everyone_experts, expert_full)
     one_per_group = [everyone_experts[int(r)] for r in ctx.moe_mesh.mesh[:, 0]]
@@ -242,17 +266,25 @@ def why_stage(ctx: Ctx) -> None:
     if ctx.rank == 0:
         ep, edp = ctx.ep, ctx.edp
         agree = all(math.isclose(o, everyone[0][0], rel_tol=0, abs_tol=0) for o, _ in everyone)
-        print(f"why: one global grad norm over dense grads (fully_shard over {ctx.world} ranks) "
-              f"and expert grads ({ep} groups of {edp} ranks, each group holding different "
-              f"experts; {n_expert} expert tensors in all)")
-        print(f"  mfsdp_optim.get_grad_norm             {ours:.6f}   (identical on all "
-              f"{ctx.world} ranks: {'yes' if agree else 'NO'}; one collective)")
-        print(f"  brute force over every full_tensor()  {brute:.6f}   "
-              f"(rel. diff {abs(ours - brute) / brute:.1e})")
+        print(
+            f"why: one global grad norm over dense grads (fully_shard over {ctx.world} ranks) "
+            f"and expert grads ({ep} groups of {edp} ranks, each group holding different "
+            f"experts; {n_expert} expert tensors in all)"
+        )
+        print(
+            f"  mfsdp_optim.get_grad_norm             {ours:.6f}   (identical on all "
+            f"{ctx.world} ranks: {'yes' if agree else 'NO'}; one collective)"
+        )
+        print(
+            f"  brute force over every full_tensor()  {brute:.6f}   "
+            f"(rel. diff {abs(ours - brute) / brute:.1e})"
+        )
         print(f"  torch.nn.utils.clip_grad_norm_        {torch_says}")
         per = ", ".join(f"rank {r}: {v:.4f}" for r, (_, v) in enumerate(everyone))
-        print(f"  per-mesh get_total_norm, combined     {per}  "
-              "(each ep group sees only its own experts)")
+        print(
+            f"  per-mesh get_total_norm, combined     {per}  "
+            "(each ep group sees only its own experts)"
+        )
     opt.zero_grad()
 
 
@@ -273,8 +305,11 @@ def save_checkpoint(ctx: Ctx, step: int) -> float:
     state = {
         "model": get_model_state_dict(ctx.model),
         "optimizer": ctx.opt.sharded_state_dict(),
-        "extra": {"step": step, "scheduler": ctx.sched.state_dict(),
-                  "grad_scaler": ctx.opt.grad_scaler_state_dict()},
+        "extra": {
+            "step": step,
+            "scheduler": ctx.sched.state_dict(),
+            "grad_scaler": ctx.opt.grad_scaler_state_dict(),
+        },
     }
     dcp.save(state, checkpoint_id=path)
     return time.perf_counter() - t0
@@ -287,8 +322,11 @@ def load_checkpoint(ctx: Ctx) -> int:
     state = {
         "model": get_model_state_dict(ctx.model),
         "optimizer": ctx.opt.sharded_state_dict(is_loading=True),
-        "extra": {"step": -1, "scheduler": ctx.sched.state_dict(),
-                  "grad_scaler": ctx.opt.grad_scaler_state_dict()},
+        "extra": {
+            "step": -1,
+            "scheduler": ctx.sched.state_dict(),
+            "grad_scaler": ctx.opt.grad_scaler_state_dict(),
+        },
     }
     dcp.load(state, checkpoint_id=checkpoint_path(ctx.args))
     set_model_state_dict(ctx.model, state["model"])
@@ -306,24 +344,41 @@ def _progress(ctx: Ctx, start: int, stop: int, desc: str):
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=stop - start, initial=0, desc=desc, unit="step", dynamic_ncols=True,
-                mininterval=0.5, file=sys.stderr)
+    return tqdm(
+        total=stop - start,
+        initial=0,
+        desc=desc,
+        unit="step",
+        dynamic_ncols=True,
+        mininterval=0.5,
+        file=sys.stderr,
+    )
 
 
 def train(ctx: Ctx, start: int, stop: int, save_at: int | None, desc: str) -> dict:
     args, opt = ctx.args, ctx.opt
-    hist: dict = {"world_size": ctx.world, "mesh": f"dense ({ctx.world},), experts "
-                  f"(ep={ctx.ep}, edp={ctx.edp})", "precision": args.precision,
-                  "start": start, "step": [], "loss": [], "grad_norm": [], "zeros": [],
-                  "loss_scale": [], "skipped": []}
+    hist: dict = {
+        "world_size": ctx.world,
+        "mesh": f"dense ({ctx.world},), experts (ep={ctx.ep}, edp={ctx.edp})",
+        "precision": args.precision,
+        "start": start,
+        "step": [],
+        "loss": [],
+        "grad_norm": [],
+        "zeros": [],
+        "loss_scale": [],
+        "skipped": [],
+    }
     bar = _progress(ctx, start, stop, desc)
     log_every = max(1, (stop - start) // 8)
     t0 = time.perf_counter()
     for step in range(start, stop):
         if save_at is not None and step == save_at:
             secs = save_checkpoint(ctx, step)
-            msg = (f"  checkpoint: step {step} -> {checkpoint_path(args)} ({secs:.2f} s; model "
-                   "via get_model_state_dict, optimizer via opt.sharded_state_dict())")
+            msg = (
+                f"  checkpoint: step {step} -> {checkpoint_path(args)} ({secs:.2f} s; model "
+                "via get_model_state_dict, optimizer via opt.sharded_state_dict())"
+            )
             (bar.write(msg) if bar else ctx.print0(msg))
         scale = float(opt.get_loss_scale())
         lm = ctx.forward_backward(step)
@@ -331,15 +386,25 @@ def train(ctx: Ctx, start: int, stop: int, save_at: int | None, desc: str) -> di
         opt.zero_grad()
         ctx.sched.step()
         loss = ctx.global_mean(lm)
-        for k, v in (("step", step), ("loss", loss), ("grad_norm", grad_norm),
-                     ("zeros", zeros), ("loss_scale", scale), ("skipped", not ok)):
+        for k, v in (
+            ("step", step),
+            ("loss", loss),
+            ("grad_norm", grad_norm),
+            ("zeros", zeros),
+            ("loss_scale", scale),
+            ("skipped", not ok),
+        ):
             hist[k].append(v)
         if ctx.rank == 0:
-            line = (f"step {step:4d} | loss {loss:.4f} | grad norm {grad_norm:8.4f} | "
-                    f"zeros {zeros:5d} | loss scale {scale:g}" + ("" if ok else " | SKIPPED"))
+            line = (
+                f"step {step:4d} | loss {loss:.4f} | grad norm {grad_norm:8.4f} | "
+                f"zeros {zeros:5d} | loss scale {scale:g}" + ("" if ok else " | SKIPPED")
+            )
             if bar:
-                bar.set_postfix_str(f"loss {loss:.3f} gnorm {grad_norm:.3f} zeros {zeros} "
-                                    f"scale {scale:g}", refresh=False)
+                bar.set_postfix_str(
+                    f"loss {loss:.3f} gnorm {grad_norm:.3f} zeros {zeros} scale {scale:g}",
+                    refresh=False,
+                )
                 bar.update(1)
                 if (step - start) % log_every == 0 or step == stop - 1 or not ok:
                     bar.write(line)
@@ -356,17 +421,21 @@ def run_phase(args: argparse.Namespace, phase: str) -> None:
     ctx = Ctx(args)
     os.makedirs(args.out, exist_ok=True)
     if phase == "train":
-        ctx.print0(f"\n== train: {ctx.world} ranks ({args.device}), dense params on "
-                   f"({ctx.world},), experts on (ep={ctx.ep}, edp={ctx.edp}); "
-                   f"{args.precision}, clip {args.clip}, loss scale {args.loss_scale}")
+        ctx.print0(
+            f"\n== train: {ctx.world} ranks ({args.device}), dense params on "
+            f"({ctx.world},), experts on (ep={ctx.ep}, edp={ctx.edp}); "
+            f"{args.precision}, clip {args.clip}, loss scale {args.loss_scale}"
+        )
         why_stage(ctx)
         ctx.print0("")
         hist = train(ctx, 0, args.steps, save_at=args.save_at, desc=f"train  x{ctx.world}")
     else:
         start = load_checkpoint(ctx)
-        ctx.print0(f"\n== resume: {ctx.world} ranks ({args.device}), experts on (ep={ctx.ep}, "
-                   f"edp={ctx.edp}); loaded {checkpoint_path(args)} (saved by a different "
-                   f"world size), continuing at step {start}")
+        ctx.print0(
+            f"\n== resume: {ctx.world} ranks ({args.device}), experts on (ep={ctx.ep}, "
+            f"edp={ctx.edp}); loaded {checkpoint_path(args)} (saved by a different "
+            f"world size), continuing at step {start}"
+        )
         hist = train(ctx, start, args.steps, save_at=None, desc=f"resume x{ctx.world}")
     if ctx.rank == 0:
         with open(os.path.join(args.out, f"metrics_{phase}.json"), "w") as f:
@@ -391,15 +460,19 @@ def compare_and_plot(args: argparse.Namespace) -> bool:
     worst = max(diffs)
     ok = worst <= tol
     wa, wb = a["world_size"], b["world_size"]
-    print(f"\n== resume check: steps {first}..{args.steps - 1}, uninterrupted on {wa} ranks vs "
-          f"resumed on {wb} ranks from the step-{first} checkpoint")
+    print(
+        f"\n== resume check: steps {first}..{args.steps - 1}, uninterrupted on {wa} ranks vs "
+        f"resumed on {wb} ranks from the step-{first} checkpoint"
+    )
     print(f"  {'step':>5}  {f'loss x{wa}':>10}  {f'loss x{wb}':>10}  {'|diff|':>8}")
     show = sorted({0, 1, 2, len(rows) // 2, len(rows) - 2, len(rows) - 1} & set(range(len(rows))))
     for i in show:
         s, la, lb = rows[i]
         print(f"  {s:>5}  {la:>10.6f}  {lb:>10.6f}  {abs(la - lb):>8.1e}")
-    print(f"  loss at step 0: {a['loss'][0]:.4f}; at step {first} (first resumed step): "
-          f"{rows[0][2]:.4f}; at the end: {rows[-1][2]:.4f}")
+    print(
+        f"  loss at step 0: {a['loss'][0]:.4f}; at step {first} (first resumed step): "
+        f"{rows[0][2]:.4f}; at the end: {rows[-1][2]:.4f}"
+    )
     print(f"  max |loss diff| = {worst:.2e} (tolerance {tol:g}): {'MATCH' if ok else 'MISMATCH'}")
     plot(args, a, b)
     return ok
@@ -416,8 +489,10 @@ def plot(args: argparse.Namespace, a: dict, b: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key, title in ((axes[0], "loss", "training loss (global mean)"),
-                           (axes[1], "grad_norm", "global grad norm (before clipping)")):
+    for ax, key, title in (
+        (axes[0], "loss", "training loss (global mean)"),
+        (axes[1], "grad_norm", "global grad norm (before clipping)"),
+    ):
         ax.plot(a["step"], a[key], label=f"uninterrupted, {a['world_size']} ranks", lw=2)
         ax.plot(b["step"], b[key], "--", label=f"resumed, {b['world_size']} ranks", lw=2)
         ax.axvline(b["start"], color="grey", lw=1, ls=":")
@@ -428,8 +503,10 @@ def plot(args: argparse.Namespace, a: dict, b: dict) -> None:
     axes[1].axhline(args.clip, color="red", lw=1, ls=":", label=f"clip at {args.clip:g}")
     axes[0].legend()
     axes[1].legend()
-    fig.suptitle(f"mfsdp-optim demo: MoE transformer, FSDP2, {args.precision}; "
-                 f"checkpoint at step {b['start']}")
+    fig.suptitle(
+        f"mfsdp-optim demo: MoE transformer, FSDP2, {args.precision}; "
+        f"checkpoint at step {b['start']}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -440,13 +517,17 @@ def plot(args: argparse.Namespace, a: dict, b: dict) -> None:
 # launching
 
 
-def _rank_main(rank: int, world: int, init_file: str, args: argparse.Namespace,
-               phase: str) -> None:
+def _rank_main(rank: int, world: int, init_file: str, args: argparse.Namespace, phase: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=UserWarning)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=120),
+    )
     try:
         run_phase(args, phase)
     finally:
@@ -462,14 +543,27 @@ def spawn_phase(args: argparse.Namespace, phase: str, world: int) -> None:
     # imports torch again in each rank: ~3 s of CPU apiece)
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed.tensor", "_moe"])
     with tempfile.TemporaryDirectory(prefix="mfsdp_demo_") as tmp:
-        mp.start_processes(_rank_main, args=(world, os.path.join(tmp, "init"), args, phase),
-                           nprocs=world, start_method="forkserver", join=True)
+        mp.start_processes(
+            _rank_main,
+            args=(world, os.path.join(tmp, "init"), args, phase),
+            nprocs=world,
+            start_method="forkserver",
+            join=True,
+        )
 
 
 def torchrun_phase(args: argparse.Namespace, phase: str, nproc: int) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", os.path.abspath(__file__), *sys.argv[1:],
-           "--phase", phase]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        os.path.abspath(__file__),
+        *sys.argv[1:],
+        "--phase",
+        phase,
+    ]
     subprocess.run(cmd, check=True)
 
 
@@ -500,9 +594,12 @@ def main(argv: list[str] | None = None) -> int:
         torchrun_phase(args, "train", n)
         torchrun_phase(args, "resume", max(1, n // 2))
     else:
-        print(f"mfsdp-optim demo: spawning {args.world_size} CPU ranks (gloo), then "
-              f"{args.resume_world_size}; {args.steps} steps, checkpoint at {args.save_at}; "
-              f"output in {args.out}", flush=True)
+        print(
+            f"mfsdp-optim demo: spawning {args.world_size} CPU ranks (gloo), then "
+            f"{args.resume_world_size}; {args.steps} steps, checkpoint at {args.save_at}; "
+            f"output in {args.out}",
+            flush=True,
+        )
         spawn_phase(args, "train", args.world_size)
         spawn_phase(args, "resume", args.resume_world_size)
         ok = compare_and_plot(args)

@@ -35,14 +35,15 @@ TP_FSDP = {  # (dp, tp) mesh: FSDP over TP as torchtitan lays it out
 }
 
 OPTIMIZERS = {
-    "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.1,
-                              "weight_decay": 0.01}),
+    "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01}),
     "adam": (torch.optim.Adam, {"lr": 0.01, "weight_decay": 0.1}),
     "adam_tensor_lr": (torch.optim.Adam, {"lr": torch.tensor(0.01), "betas": (0.8, 0.9)}),
     "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
     "adamw_amsgrad": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1, "amsgrad": True}),
-    "adagrad": (torch.optim.Adagrad, {"lr": 0.1, "lr_decay": 0.01,
-                                      "initial_accumulator_value": 0.1}),
+    "adagrad": (
+        torch.optim.Adagrad,
+        {"lr": 0.1, "lr_decay": 0.01, "initial_accumulator_value": 0.1},
+    ),
     "rmsprop": (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.9, "centered": True}),
     "adamax": (torch.optim.Adamax, {"lr": 0.01}),
     "nadam": (torch.optim.NAdam, {"lr": 0.01}),
@@ -74,8 +75,12 @@ class Model:
     def __init__(self, layout, opt_name, *, alias=True, filter_empty=True, lr_scale=1.0):
         self.layout = layout
         self.alias = alias
-        self.params = [torch.nn.Parameter(build_grad(spec(layout, i, 1000 + i), check=False),
-                                          requires_grad=False) for i in range(len(PARAMS))]
+        self.params = [
+            torch.nn.Parameter(
+                build_grad(spec(layout, i, 1000 + i), check=False), requires_grad=False
+            )
+            for i in range(len(PARAMS))
+        ]
         self.records = []
         for (name, _), p in zip(PARAMS, self.params, strict=True):
             opt_param = p._local_tensor if alias else p
@@ -89,8 +94,7 @@ class Model:
 
     def _groups(self, kw):
         g0 = [r.opt_param for r in self.records if r.fqn in WEIGHTS and r.opt_param is not None]
-        g1 = [r.opt_param for r in self.records if r.fqn not in WEIGHTS
-              and r.opt_param is not None]
+        g1 = [r.opt_param for r in self.records if r.fqn not in WEIGHTS and r.opt_param is not None]
         lr1 = kw["lr"] * 0.5
         return [{"params": g0}, {"params": g1, "lr": lr1}]
 
@@ -108,23 +112,31 @@ class Model:
 
 def reference(opt_name, steps, skip=()):
     """The same training on full plain tensors in one process: {fqn: {key: tensor|float}}."""
-    full = {name: global_tensor(GradSpec(shape, (1,), (0,), (S0,), seed=1000 + i), ()).clone()
-            for i, (name, shape) in enumerate(PARAMS)}
+    full = {
+        name: global_tensor(GradSpec(shape, (1,), (0,), (S0,), seed=1000 + i), ()).clone()
+        for i, (name, shape) in enumerate(PARAMS)
+    }
     cls, kw = OPTIMIZERS[opt_name]
     kw = dict(kw)
-    groups = [{"params": [full[n] for n, _ in PARAMS if n in WEIGHTS]},
-              {"params": [full[n] for n, _ in PARAMS if n not in WEIGHTS], "lr": kw["lr"] * 0.5}]
+    groups = [
+        {"params": [full[n] for n, _ in PARAMS if n in WEIGHTS]},
+        {"params": [full[n] for n, _ in PARAMS if n not in WEIGHTS], "lr": kw["lr"] * 0.5},
+    ]
     opt = cls(groups, **kw)
     for t in range(steps):
         for i, (name, shape) in enumerate(PARAMS):
             if name in skip:
                 full[name].grad = None
                 continue
-            full[name].grad = global_tensor(GradSpec(shape, (1,), (0,), (S0,), seed=7 * t + i + 1),
-                                            ())
+            full[name].grad = global_tensor(
+                GradSpec(shape, (1,), (0,), (S0,), seed=7 * t + i + 1), ()
+            )
         opt.step()
-    return {n: {k: plain(v) for k, v in opt.state[full[n]].items()} for n, _ in PARAMS
-            if full[n] in opt.state}, {n: p.clone() for n, p in full.items()}
+    return {
+        n: {k: plain(v) for k, v in opt.state[full[n]].items()}
+        for n, _ in PARAMS
+        if full[n] in opt.state
+    }, {n: p.clone() for n, p in full.items()}
 
 
 def plain(v):
@@ -154,9 +166,13 @@ def global_state(sd):
             for fqn, leaf in got.items():
                 assert union.setdefault(fqn, leaf) == leaf, f"ranks emit different {fqn!r} leaves"
         sd = as_format1({"state": sd["state"], "param_to_group_meta": union})
-    state = {fqn: {k: plain(sd["state"][fqn][k]) for k in sorted(sd["state"][fqn])}
-             for fqn in sorted(sd["state"])}
-    meta = {fqn: {k: plain(v) for k, v in m.items()} for fqn, m in sd["param_to_group_meta"].items()}
+    state = {
+        fqn: {k: plain(sd["state"][fqn][k]) for k in sorted(sd["state"][fqn])}
+        for fqn in sorted(sd["state"])
+    }
+    meta = {
+        fqn: {k: plain(v) for k, v in m.items()} for fqn, m in sd["param_to_group_meta"].items()
+    }
     return state, meta
 
 
@@ -169,10 +185,18 @@ def snapshot(model):
     state = {}
     for r in model.records:
         if r.opt_param is not None and r.opt_param in model.optimizer.state:
-            state[r.fqn] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
-                            for k, v in model.optimizer.state[r.opt_param].items()}
-    groups = [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in g.items()
-               if k != "params"} for g in model.optimizer.param_groups]
+            state[r.fqn] = {
+                k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                for k, v in model.optimizer.state[r.opt_param].items()
+            }
+    groups = [
+        {
+            k: (v.clone() if isinstance(v, torch.Tensor) else v)
+            for k, v in g.items()
+            if k != "params"
+        }
+        for g in model.optimizer.param_groups
+    ]
     return state, groups
 
 
@@ -182,6 +206,7 @@ def same(a, b) -> bool:
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return False
         from torch.distributed.tensor import DTensor
+
         if isinstance(a, DTensor):
             a = a._local_tensor
         if isinstance(b, DTensor):

@@ -93,9 +93,8 @@ def get_mesh(mesh_shape: tuple[int, ...], used_dims: tuple[int, ...] | None = No
     key = (mesh_shape, used_dims)
     if key not in _MESHES:
         if used_dims is None or used_dims == tuple(range(len(mesh_shape))):
-            _MESHES[key] = (
-                _MESHES.get((mesh_shape, None))
-                or init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+            _MESHES[key] = _MESHES.get((mesh_shape, None)) or init_device_mesh(
+                "cpu", mesh_shape, mesh_dim_names=names
             )
         else:
             _MESHES[key] = get_mesh(mesh_shape)[tuple(names[d] for d in used_dims)]
@@ -144,8 +143,9 @@ def build_grad(spec: GradSpec, check: bool = True):
     mesh = get_mesh(spec.mesh_shape, spec.used_dims)
     placements = tuple(to_placement(p) for p in spec.placements)
     local = local_shard(g, spec, coord)
-    dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=g.shape,
-                            stride=g.stride())
+    dt = DTensor.from_local(
+        local, mesh, placements, run_check=False, shape=g.shape, stride=g.stride()
+    )
     if check:
         full = dt.full_tensor()
         if not torch.equal(full, g):
@@ -163,8 +163,11 @@ def valid_strided(spec: GradSpec) -> bool:
     for i, p in enumerate(spec.placements):
         if p.kind != "SS":
             continue
-        right = [j for j in range(i + 1, len(sizes))
-                 if spec.placements[j].kind == "S" and spec.placements[j].dim == p.dim]
+        right = [
+            j
+            for j in range(i + 1, len(sizes))
+            if spec.placements[j].kind == "S" and spec.placements[j].dim == p.dim
+        ]
         if not right or p.split_factor != math.prod(sizes[j] for j in right):
             return False
         if spec.shape[p.dim] % (p.split_factor * sizes[i]) != 0:
@@ -193,8 +196,13 @@ def mesh_shapes(world_size: int):
     return st.sampled_from(_factorizations(world_size))
 
 
-def grad_specs(world_size: int, mesh_shape: tuple[int, ...] | None = None, *,
-               dtypes=("float32", "bfloat16", "float16"), allow_stripes: bool = True):
+def grad_specs(
+    world_size: int,
+    mesh_shape: tuple[int, ...] | None = None,
+    *,
+    dtypes=("float32", "bfloat16", "float16"),
+    allow_stripes: bool = True,
+):
     """One GradSpec on a mesh over ``world_size`` ranks: placements from Replicate, Shard and
     _StridedShard, shapes with uneven splits and dims smaller than the mesh (empty shards)."""
     from hypothesis import strategies as st
@@ -204,8 +212,9 @@ def grad_specs(world_size: int, mesh_shape: tuple[int, ...] | None = None, *,
         shape_of_mesh = mesh_shape or draw(mesh_shapes(world_size))
         ndim = len(shape_of_mesh)
         if allow_stripes and ndim > 1 and draw(st.booleans()):
-            used = tuple(sorted(draw(st.sets(st.integers(0, ndim - 1), min_size=1,
-                                             max_size=ndim - 1))))
+            used = tuple(
+                sorted(draw(st.sets(st.integers(0, ndim - 1), min_size=1, max_size=ndim - 1)))
+            )
         else:
             used = tuple(range(ndim))
         rank = draw(st.integers(1, 3))
@@ -219,8 +228,11 @@ def grad_specs(world_size: int, mesh_shape: tuple[int, ...] | None = None, *,
         fixed = []
         for i, p in enumerate(placements):
             if p.kind == "SS":
-                sf = math.prod(sizes[j] for j in range(i + 1, len(sizes))
-                               if placements[j].kind == "S" and placements[j].dim == p.dim)
+                sf = math.prod(
+                    sizes[j]
+                    for j in range(i + 1, len(sizes))
+                    if placements[j].kind == "S" and placements[j].dim == p.dim
+                )
                 p = PlacementSpec("SS", p.dim, sf) if sf > 1 else PlacementSpec("S", p.dim)
             fixed.append(p)
         spec = GradSpec(
@@ -238,8 +250,11 @@ def grad_specs(world_size: int, mesh_shape: tuple[int, ...] | None = None, *,
             shape = list(spec.shape)
             for i, p in enumerate(spec.placements):
                 if p.kind == "SS":
-                    shape[p.dim] = p.split_factor * sizes[i] * max(1, shape[p.dim] // (
-                        p.split_factor * sizes[i]))
+                    shape[p.dim] = (
+                        p.split_factor
+                        * sizes[i]
+                        * max(1, shape[p.dim] // (p.split_factor * sizes[i]))
+                    )
             spec = GradSpec(**{**spec.__dict__, "shape": tuple(shape)})
         return spec
 

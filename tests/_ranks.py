@@ -91,8 +91,15 @@ class RankPool:
         self._procs = [
             ctx.Process(
                 target=_worker_main,
-                args=(r, world_size, init_file, self._tasks[r], self._results, list(sys.path),
-                      self._stack_files[r]),
+                args=(
+                    r,
+                    world_size,
+                    init_file,
+                    self._tasks[r],
+                    self._results,
+                    list(sys.path),
+                    self._stack_files[r],
+                ),
                 daemon=True,
             )
             for r in range(world_size)
@@ -123,8 +130,13 @@ class RankPool:
             except Exception:  # queue.Empty: check for dead workers and keep waiting
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
                 if dead:
-                    errors.update({r: f"process died (exit code {self._procs[r].exitcode})"
-                                   for r in dead if r not in values and r not in errors})
+                    errors.update(
+                        {
+                            r: f"process died (exit code {self._procs[r].exitcode})"
+                            for r in dead
+                            if r not in values and r not in errors
+                        }
+                    )
                 continue
             if status == "error":
                 errors[rank] = value

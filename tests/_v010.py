@@ -23,8 +23,12 @@ import sys
 import torch
 
 # name, global shape, group
-PARAMS = [("enc.weight", (6, 4), 0), ("enc.bias", (6,), 1), ("head.weight", (3, 6), 0),
-          ("frozen", (4, 2), 1)]
+PARAMS = [
+    ("enc.weight", (6, 4), 0),
+    ("enc.bias", (6,), 1),
+    ("head.weight", (3, 6), 0),
+    ("frozen", (4, 2), 1),
+]
 GROUPS = [{"lr": 0.01, "weight_decay": 0.1}, {"lr": 0.005, "betas": (0.8, 0.9)}]
 STEPS = 2
 
@@ -36,13 +40,17 @@ def global_value(seed: int, shape) -> torch.Tensor:
 
 
 def groups_of(params: dict[str, torch.Tensor]) -> list[dict]:
-    return [{"params": [params[n] for n, _, gi in PARAMS if gi == i], **GROUPS[i]}
-            for i in range(len(GROUPS))]
+    return [
+        {"params": [params[n] for n, _, gi in PARAMS if gi == i], **GROUPS[i]}
+        for i in range(len(GROUPS))
+    ]
 
 
 def grads_at(t: int) -> dict[str, torch.Tensor | None]:
-    return {n: None if n == "frozen" else global_value(100 * t + i, shape)
-            for i, (n, shape, _) in enumerate(PARAMS)}
+    return {
+        n: None if n == "frozen" else global_value(100 * t + i, shape)
+        for i, (n, shape, _) in enumerate(PARAMS)
+    }
 
 
 def train() -> tuple[dict, dict]:
@@ -54,8 +62,11 @@ def train() -> tuple[dict, dict]:
         for n, g in grads_at(t).items():
             full[n].grad = g
         opt.step()
-    state = {n: {k: v.clone() for k, v in opt.state[full[n]].items()} for n, _, _ in PARAMS
-             if full[n] in opt.state}
+    state = {
+        n: {k: v.clone() for k, v in opt.state[full[n]].items()}
+        for n, _, _ in PARAMS
+        if full[n] in opt.state
+    }
     hyper = {}
     for n, _, gi in PARAMS:
         hyper[n] = {k: v for k, v in opt.param_groups[gi].items() if k != "params"}
@@ -71,8 +82,10 @@ def sharded_model():
     from mfsdp_optim._params import ParamRecord
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    params = {n: torch.nn.Parameter(distribute_tensor(global_value(i, shape), mesh, [Shard(0)]))
-              for i, (n, shape, _) in enumerate(PARAMS)}
+    params = {
+        n: torch.nn.Parameter(distribute_tensor(global_value(i, shape), mesh, [Shard(0)]))
+        for i, (n, shape, _) in enumerate(PARAMS)
+    }
     records = [ParamRecord(n, params[n], params[n]) for n, _, _ in PARAMS]
     return records, torch.optim.Adam(groups_of(params))
 
@@ -83,8 +96,9 @@ def train_sharded(records, opt) -> None:
     for t in range(STEPS):
         for r in records:
             g = grads_at(t)[r.fqn]
-            r.param.grad = None if g is None else distribute_tensor(g, r.param.device_mesh,
-                                                                    r.param.placements)
+            r.param.grad = (
+                None if g is None else distribute_tensor(g, r.param.device_mesh, r.param.placements)
+            )
         opt.step()
 
 

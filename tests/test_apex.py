@@ -46,8 +46,10 @@ def _apex_fused_adam():
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.skipif(_apex_fused_adam() is None,
-                       reason="apex.optimizers.FusedAdam (with amp_C) is not importable"),
+    pytest.mark.skipif(
+        _apex_fused_adam() is None,
+        reason="apex.optimizers.FusedAdam (with amp_C) is not importable",
+    ),
 ]
 
 STEPS, CLIP, LR, WD = 20, 0.05, 1e-2, 0.1
@@ -60,8 +62,13 @@ def _model(seed: int):
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(seed)
-    m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64),
-                            torch.nn.GELU(), torch.nn.Linear(64, 8)).cuda()
+    m = torch.nn.Sequential(
+        torch.nn.Linear(32, 64),
+        torch.nn.GELU(),
+        torch.nn.Linear(64, 64),
+        torch.nn.GELU(),
+        torch.nn.Linear(64, 8),
+    ).cuda()
     for layer in m:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer)
@@ -71,15 +78,18 @@ def _model(seed: int):
 
 def _batches():
     gen = torch.Generator().manual_seed(7)
-    return [(torch.randn(16, 32, generator=gen).cuda(), torch.randn(16, 8, generator=gen).cuda())
-            for _ in range(STEPS + 1)]
+    return [
+        (torch.randn(16, 32, generator=gen).cuda(), torch.randn(16, 8, generator=gen).cuda())
+        for _ in range(STEPS + 1)
+    ]
 
 
 def _apex(model, master: bool):
     FusedAdam = _apex_fused_adam()
     kw = {"capturable": True, "master_weights": True} if master else {}
-    return FusedAdam(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                     adam_w_mode=True, **kw)
+    return FusedAdam(
+        model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adam_w_mode=True, **kw
+    )
 
 
 def _wrap(base, model):
@@ -95,8 +105,13 @@ def _full_params(model):
 def _state(opt):
     """{fqn: {key: full tensor}} of the state, through ``sharded_state_dict()``."""
     sd = opt.sharded_state_dict()
-    return {n: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-                for k, v in st.items()} for n, st in sd["state"].items()}
+    return {
+        n: {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in st.items()
+        }
+        for n, st in sd["state"].items()
+    }
 
 
 def _group_steps(opt):
@@ -136,8 +151,10 @@ def _scenario(master: bool, ckpt_dir: str) -> None:
     model_a, model_r = _model(0), _model(0)
     init = _full_params(model_a)
     opt_a = _wrap(_apex(model_a, master), model_a)
-    opt_r = _wrap(torch.optim.AdamW(model_r.parameters(), lr=LR, betas=BETAS, eps=EPS,
-                                    weight_decay=WD), model_r)
+    opt_r = _wrap(
+        torch.optim.AdamW(model_r.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD),
+        model_r,
+    )
     for i, (x, y) in enumerate(batches[:STEPS]):
         la, na, ra = _train_step(model_a, opt_a, x, y)
         lr_, nr, rr = _train_step(model_r, opt_r, x, y)
@@ -192,8 +209,13 @@ def _worker(master: bool, ckpt_dir: str, store_path: str, out) -> None:
         import torch.distributed as dist
 
         torch.cuda.set_device(0)
-        dist.init_process_group("nccl", init_method=f"file://{store_path}", rank=0, world_size=1,
-                                device_id=torch.device("cuda", 0))
+        dist.init_process_group(
+            "nccl",
+            init_method=f"file://{store_path}",
+            rank=0,
+            world_size=1,
+            device_id=torch.device("cuda", 0),
+        )
         try:
             _scenario(master, ckpt_dir)
         finally:
@@ -207,8 +229,10 @@ def _run(master: bool) -> None:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        proc = ctx.Process(target=_worker, args=(master, os.path.join(tmp, "ckpt"),
-                                                 os.path.join(tmp, "store"), out))
+        proc = ctx.Process(
+            target=_worker,
+            args=(master, os.path.join(tmp, "ckpt"), os.path.join(tmp, "store"), out),
+        )
         proc.start()
         proc.join(timeout=240)
         if proc.is_alive():

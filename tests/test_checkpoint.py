@@ -100,8 +100,9 @@ def _load(layout, opt_name, path, prune=False):
         sd = prune_to_checkpoint(sd, path)
     dcp.load({"optimizer": sd}, checkpoint_id=path)
     load_sharded_state_dict(m.optimizer, m.records, sd)
-    held = sorted(r.fqn for r in m.records
-                  if r.opt_param is not None and r.opt_param in m.optimizer.state)
+    held = sorted(
+        r.fqn for r in m.records if r.opt_param is not None and r.opt_param in m.optimizer.state
+    )
     return global_state(build_sharded_state_dict(m.optimizer, m.records)), held
 
 
@@ -112,8 +113,14 @@ def test_reshard_matrix(ranks, tmp_path):
     ref_state, _ = reference("adamw_amsgrad", STEPS)
     for s in (saved, saved_2d):
         assert close(s[0], ref_state)
-    cases = [(2, "fsdp", fsdp4), (4, "hsdp", fsdp4), (4, "tp_fsdp", fsdp4),
-             (4, "fsdp", tp2d), (2, "fsdp", tp2d), (2, "hsdp", tp2d)]
+    cases = [
+        (2, "fsdp", fsdp4),
+        (4, "hsdp", fsdp4),
+        (4, "tp_fsdp", fsdp4),
+        (4, "fsdp", tp2d),
+        (2, "fsdp", tp2d),
+        (2, "hsdp", tp2d),
+    ]
     for world, layout, path in cases:
         out = ranks(world).run(_load, layout, "adamw_amsgrad", path)
         want = saved if path == fsdp4 else saved_2d
@@ -143,11 +150,29 @@ def test_partial_state_loads(ranks, tmp_path):
 # ------------------------------------------------------------------------------------------
 # keyspace: identical on every rank, learned with one collective
 
-_COLLECTIVES = ["all_gather_object", "all_gather", "all_gather_into_tensor", "all_gather_single",
-                "all_reduce",
-                "broadcast", "broadcast_object_list", "gather", "gather_object", "scatter",
-                "scatter_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor",
-                "all_to_all", "all_to_all_single", "barrier", "send", "recv", "isend", "irecv"]
+_COLLECTIVES = [
+    "all_gather_object",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_reduce",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+]
 
 
 class _Counter:
@@ -180,18 +205,35 @@ def _keyspace(alias):
         m.step(t)
     with _Counter() as c, CommDebugMode() as comm:
         sd = build_sharded_state_dict(m.optimizer, m.records)
-    build_calls, build_functional = dict(c.calls), {str(k): v for k, v in comm.get_comm_counts().items()}
-    keys = {fqn: {k: (type(v).__name__, str(v.dtype), tuple(v.shape),
-                      None if v.dim() else float(v)) for k, v in e.items()}
-            for fqn, e in sd["state"].items()}
+    build_calls, build_functional = (
+        dict(c.calls),
+        {str(k): v for k, v in comm.get_comm_counts().items()},
+    )
+    keys = {
+        fqn: {
+            k: (type(v).__name__, str(v.dtype), tuple(v.shape), None if v.dim() else float(v))
+            for k, v in e.items()
+        }
+        for fqn, e in sd["state"].items()
+    }
     filtered = [r.fqn for r in m.records if r.opt_param is None]
-    empty_locals = {fqn: tuple(e["exp_avg"]._local_tensor.shape) for fqn, e in sd["state"].items()
-                    if fqn in filtered}
+    empty_locals = {
+        fqn: tuple(e["exp_avg"]._local_tensor.shape)
+        for fqn, e in sd["state"].items()
+        if fqn in filtered
+    }
     target = build_sharded_state_dict(m.optimizer, m.records, is_loading=True)
     with _Counter() as c:
         load_sharded_state_dict(m.optimizer, m.records, target)
-    return keys, sd["param_to_group_meta"], build_calls, build_functional, dict(
-        c.calls), filtered, empty_locals
+    return (
+        keys,
+        sd["param_to_group_meta"],
+        build_calls,
+        build_functional,
+        dict(c.calls),
+        filtered,
+        empty_locals,
+    )
 
 
 @pytest.mark.parametrize("alias", [True, False])
@@ -207,9 +249,10 @@ def test_keyspace_identical_and_one_collective(ranks, alias):
         # a leaf per param this rank's optimizer holds, equal to rank 0's
         assert set(meta) == {n for n, _ in PARAMS} - set(filtered), (rank, sorted(meta))
         assert all(meta[f] == out[0][1][f] for f in meta)
-        assert all({k: v for k, v, _ in leaf[1]} == {"step": float(STEPS)}
-                   and dict(leaf[0])["amsgrad"]
-                   for leaf in meta.values())
+        assert all(
+            {k: v for k, v, _ in leaf[1]} == {"step": float(STEPS)} and dict(leaf[0])["amsgrad"]
+            for leaf in meta.values()
+        )
         # the agreement is ONE all-reduce of a fixed-size digest; no gather, no DTensor
         # redistribution, no per-tensor traffic; the load's validity check likewise
         assert build_calls == {"all_reduce": 1}, build_calls
@@ -240,8 +283,13 @@ def _keyspace_fallback(case):
         from torch.distributed.tensor import DTensor, Replicate
 
         mesh = m.params[0].device_mesh
-        records.append(ParamRecord("rank1.extra", DTensor.from_local(
-            extra.detach(), mesh, [Replicate()], run_check=False), extra))
+        records.append(
+            ParamRecord(
+                "rank1.extra",
+                DTensor.from_local(extra.detach(), mesh, [Replicate()], run_check=False),
+                extra,
+            )
+        )
     with _Counter() as c:
         sd = build_sharded_state_dict(m.optimizer, records)
     keys = {fqn: sorted(e) for fqn, e in sd["state"].items()}
@@ -280,15 +328,23 @@ def _materialize(opt_name, alias):
     real = Model("fsdp", opt_name, alias=alias)
     real.step(0)
     want = build_sharded_state_dict(real.optimizer, real.records)
-    return ({f: sorted(e) for f, e in sd["state"].items()},
-            {f: sorted(e) for f, e in want["state"].items()}, _steps(sd), _steps(want))
+    return (
+        {f: sorted(e) for f, e in sd["state"].items()},
+        {f: sorted(e) for f, e in want["state"].items()},
+        _steps(sd),
+        _steps(want),
+    )
 
 
 def _steps(sd) -> dict[str, float]:
     """{fqn: step} for the params whose state holds a step counter (format 2: the scalars of
     the param's ``param_to_group_meta`` leaf)."""
-    return {f: float(v) for f, (_, scalars) in sd["param_to_group_meta"].items()
-            for k, v, _ in scalars if k == "step"}
+    return {
+        f: float(v)
+        for f, (_, scalars) in sd["param_to_group_meta"].items()
+        for k, v, _ in scalars
+        if k == "step"
+    }
 
 
 def test_is_loading_materializes_without_moving(ranks):
@@ -327,43 +383,70 @@ def _bad_inputs():
         # corrupt its dicts; the format-2 leaves are checked in "a (hyperparameters, scalars)"
         sd = as_format1(build_sharded_state_dict(m.optimizer, m.records))
         # detach from the live state so a wrongly applied load would show
-        return {"state": {f: {k: (DTensor.from_local(v._local_tensor.clone() + 1, v.device_mesh,
-                                                     v.placements, run_check=False, shape=v.shape,
-                                                     stride=v.stride())
-                                  if isinstance(v, DTensor) else copy.deepcopy(v))
-                              for k, v in e.items()} for f, e in sd["state"].items()},
-                "param_to_group_meta": copy.deepcopy(sd["param_to_group_meta"])}
+        return {
+            "state": {
+                f: {
+                    k: (
+                        DTensor.from_local(
+                            v._local_tensor.clone() + 1,
+                            v.device_mesh,
+                            v.placements,
+                            run_check=False,
+                            shape=v.shape,
+                            stride=v.stride(),
+                        )
+                        if isinstance(v, DTensor)
+                        else copy.deepcopy(v)
+                    )
+                    for k, v in e.items()
+                }
+                for f, e in sd["state"].items()
+            },
+            "param_to_group_meta": copy.deepcopy(sd["param_to_group_meta"]),
+        }
 
     def wrong_shape(sd):
         v = sd["state"]["layers.0.weight"]["exp_avg"]
         sd["state"]["layers.0.weight"]["exp_avg"] = DTensor.from_local(
-            torch.zeros(v._local_tensor.shape[0], 9), v.device_mesh, v.placements,
-            run_check=False, shape=(10, 9), stride=(9, 1))
+            torch.zeros(v._local_tensor.shape[0], 9),
+            v.device_mesh,
+            v.placements,
+            run_check=False,
+            shape=(10, 9),
+            stride=(9, 1),
+        )
 
     def wrong_dtype(sd):
         v = sd["state"]["layers.1.weight"]["exp_avg_sq"]
         sd["state"]["layers.1.weight"]["exp_avg_sq"] = v.to(torch.float64)
 
     cases = {
-        "missing FQNs in 'param_to_group_meta'":
-            lambda sd: sd["param_to_group_meta"].pop("layers.0.bias"),
+        "missing FQNs in 'param_to_group_meta'": lambda sd: sd["param_to_group_meta"].pop(
+            "layers.0.bias"
+        ),
         "unexpected FQNs in 'state'": lambda sd: sd["state"].update(extra={}),
-        "unexpected FQNs in 'param_to_group_meta'":
-            lambda sd: sd["param_to_group_meta"].update({"nope.weight": {}}),
+        "unexpected FQNs in 'param_to_group_meta'": lambda sd: sd["param_to_group_meta"].update(
+            {"nope.weight": {}}
+        ),
         "missing state keys": lambda sd: sd["state"]["layers.0.weight"].pop("max_exp_avg_sq"),
         "unexpected state keys": lambda sd: sd["state"]["layers.0.bias"].update(
-            momentum_buffer=sd["state"]["layers.0.bias"]["exp_avg"]),
+            momentum_buffer=sd["state"]["layers.0.bias"]["exp_avg"]
+        ),
         "global shape (10, 9)": wrong_shape,
         "dtype torch.float64": wrong_dtype,
         "missing hyperparameters": lambda sd: sd["param_to_group_meta"]["layers.0.weight"].pop(
-            "betas"),
+            "betas"
+        ),
         "unexpected hyperparameters": lambda sd: sd["param_to_group_meta"]["layers.0.bias"].update(
-            nesterov=True),
-        "hyperparameters in the state dict differ":
-            lambda sd: sd["param_to_group_meta"]["layers.1.weight"].update(lr=0.5),
+            nesterov=True
+        ),
+        "hyperparameters in the state dict differ": lambda sd: sd["param_to_group_meta"][
+            "layers.1.weight"
+        ].update(lr=0.5),
         "exactly the keys": lambda sd: sd.update(param_groups=[]),
-        "or a (hyperparameters, scalars) tuple (format 2)":
-            lambda sd: sd["param_to_group_meta"].update({"layers.0.bias": ((), (), ())}),
+        "or a (hyperparameters, scalars) tuple (format 2)": lambda sd: sd[
+            "param_to_group_meta"
+        ].update({"layers.0.bias": ((), (), ())}),
     }
     messages = {}
     for expected, corrupt in cases.items():

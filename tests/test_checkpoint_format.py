@@ -26,8 +26,10 @@ def _full(optimizer, records) -> dict:
     for r in records:
         live = optimizer.state.get(r.param)
         if live:
-            out[r.fqn] = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v.clone())
-                          for k, v in sorted(live.items())}
+            out[r.fqn] = {
+                k: (v.full_tensor() if hasattr(v, "full_tensor") else v.clone())
+                for k, v in sorted(live.items())
+            }
     return out
 
 

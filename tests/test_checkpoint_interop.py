@@ -68,8 +68,9 @@ def _stock_writes(path, skip):
     _train(model, opt, skip=skip)
     osd = get_optimizer_state_dict(model, opt)
     dcp.save({"optimizer": osd}, checkpoint_id=path)
-    return _stock_state(model, opt), [{k: v for k, v in g.items() if k != "params"}
-                                      for g in opt.param_groups]
+    return _stock_state(model, opt), [
+        {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups
+    ]
 
 
 def _ours_reads_stock(path, partial):
@@ -82,7 +83,8 @@ def _ours_reads_stock(path, partial):
     dcp.load({"optimizer": osd}, checkpoint_id=path)
     load_sharded_state_dict(opt, records, from_torch_state_dict(osd))
     return global_state(build_sharded_state_dict(opt, records))[0], [
-        {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups
+    ]
 
 
 def _stock_reads(path):
@@ -191,8 +193,9 @@ class _WrapperLike:
         self.model, self.grad_scaler = model, _Scaler(scale)
 
     def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, metadata=None):
-        return build_sharded_state_dict(self.model.optimizer, self.model.records,
-                                        is_loading=is_loading)
+        return build_sharded_state_dict(
+            self.model.optimizer, self.model.records, is_loading=is_loading
+        )
 
     def load_state_dict(self, sd):
         load_sharded_state_dict(self.model.optimizer, self.model.records, sd)
@@ -239,18 +242,28 @@ def test_inspect_cli(ranks, tmp_path, capsys):
     ranks(4).run(_ours_writes, as_torch, native)
     # the real entry point once, in a fresh interpreter
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    r = subprocess.run([sys.executable, "-m", "mfsdp_optim.checkpoint", "inspect", native],
-                       capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "mfsdp_optim.checkpoint", "inspect", native],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     code, out, _ = _inspect(capsys, native)
     assert code == 0 and out == r.stdout
-    assert ("[optimizer] layout fsdp_dtensor (format 2): 4 params, 4 with state, 1 group(s)"
-            in out), out
+    assert (
+        "[optimizer] layout fsdp_dtensor (format 2): 4 params, 4 with state, 1 group(s)" in out
+    ), out
     # the group's hyperparameters once, then the params with shapes, dtypes and steps
     assert out.count("lr=0.01") == 1 and out.count("weight_decay=0.1") == 1, out
-    for line in ("group 0 (4 params): ", "betas=(0.9, 0.999)",
-                 "0.weight  exp_avg float32 6x8, exp_avg_sq float32 6x8; step=2",
-                 "totals: 4 params", "written by 4 rank(s)"):
+    for line in (
+        "group 0 (4 params): ",
+        "betas=(0.9, 0.999)",
+        "0.weight  exp_avg float32 6x8, exp_avg_sq float32 6x8; step=2",
+        "totals: 4 params",
+        "written by 4 rank(s)",
+    ):
         assert line in out, (line, out)
     code, out, _ = _inspect(capsys, as_torch)
     assert code == 0 and "layout torch (get_optimizer_state_dict): 4 params" in out, out
@@ -265,7 +278,10 @@ def test_inspect_cli(ranks, tmp_path, capsys):
     assert opt["groups"][0]["hyperparameters"]["lr"] == 0.01
     assert opt["groups"][0]["params"]["0.weight"]["scalars"] == {"step": 2.0}
     assert opt["groups"][0]["params"]["0.weight"]["state"]["exp_avg"] == {
-        "dtype": "float32", "shape": [6, 8], "bytes": 192}
+        "dtype": "float32",
+        "shape": [6, 8],
+        "bytes": 192,
+    }
     empty = tmp_path / "empty"
     empty.mkdir()
     code, _, err = _inspect(capsys, str(empty))
@@ -299,8 +315,12 @@ def test_inspect_never_calls_damaged_complete(tmp_path, capsys, how, marker):
     from mfsdp_optim.checkpoint import save_checkpoint
 
     path = str(tmp_path / "ckpt")
-    sd = {"optimizer": {"state": {"0.weight": {"exp_avg": torch.ones(6, 8)}},
-                        "param_to_group_meta": {"0.weight": ((("lr", 0.1),), ())}}}
+    sd = {
+        "optimizer": {
+            "state": {"0.weight": {"exp_avg": torch.ones(6, 8)}},
+            "param_to_group_meta": {"0.weight": ((("lr", 0.1),), ())},
+        }
+    }
     save_checkpoint(sd, path)
     if not marker:  # what plain dcp.save leaves
         os.remove(os.path.join(path, "mfsdp_complete.json"))
@@ -324,12 +344,16 @@ def test_converters_share_tensors_and_do_not_mutate(layout):
     step = torch.tensor(4.0)
     hyper = (("betas", (0.9, 0.99)), ("lr", 0.1))
     if layout == "torch":
-        osd = {"state": {"a": {"exp_avg": t, "step": step}},
-               "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["a", "b"]}]}
+        osd = {
+            "state": {"a": {"exp_avg": t, "step": step}},
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["a", "b"]}],
+        }
         sd = from_torch_state_dict(osd)
         # format 2: one (hyperparameters, scalars) leaf per FQN; step leaves state
-        assert sd["param_to_group_meta"] == {"a": (hyper, (("step", 4.0, "float32"),)),
-                                             "b": (hyper, ())}
+        assert sd["param_to_group_meta"] == {
+            "a": (hyper, (("step", 4.0, "float32"),)),
+            "b": (hyper, ()),
+        }
         assert sd["state"] == {"a": {"exp_avg": t}} and sd["state"]["a"]["exp_avg"] is t
         assert osd["param_groups"][0]["params"] == ["a", "b"] and osd["state"]["a"]["step"] is step
         back = to_torch_state_dict(sd)
@@ -338,17 +362,26 @@ def test_converters_share_tensors_and_do_not_mutate(layout):
         assert back["state"]["a"]["step"].dtype == torch.float32
         assert back["state"]["a"]["step"] is not step and same(back["state"]["a"]["step"], step)
     elif layout == "fsdp_dtensor":
-        sd = {"state": {"a": {"exp_avg": t}}, "param_to_group_meta": {
-            "a": ((("lr", 0.1),), (("step", 4.0, "float32"),)), "b": ((("lr", 0.2),), ()),
-            "c": ((("lr", 0.1),), ())}}
+        sd = {
+            "state": {"a": {"exp_avg": t}},
+            "param_to_group_meta": {
+                "a": ((("lr", 0.1),), (("step", 4.0, "float32"),)),
+                "b": ((("lr", 0.2),), ()),
+                "c": ((("lr", 0.1),), ()),
+            },
+        }
         osd = to_torch_state_dict(sd)
-        assert osd["param_groups"] == [{"lr": 0.1, "params": ["a", "c"]},
-                                       {"lr": 0.2, "params": ["b"]}]
+        assert osd["param_groups"] == [
+            {"lr": 0.1, "params": ["a", "c"]},
+            {"lr": 0.2, "params": ["b"]},
+        ]
         assert osd["state"]["a"]["exp_avg"] is t and same(osd["state"]["a"]["step"], step)
         assert from_torch_state_dict(osd) == sd
     else:  # 0.1.0's per-FQN dicts convert too
-        sd = {"state": {"a": {"exp_avg": t, "step": step}}, "param_to_group_meta": {
-            "a": {"lr": 0.1}, "b": {"lr": 0.2}}}
+        sd = {
+            "state": {"a": {"exp_avg": t, "step": step}},
+            "param_to_group_meta": {"a": {"lr": 0.1}, "b": {"lr": 0.2}},
+        }
         osd = to_torch_state_dict(sd)
         assert osd["param_groups"] == [{"lr": 0.1, "params": ["a"]}, {"lr": 0.2, "params": ["b"]}]
         assert osd["state"]["a"]["step"] is step and osd["state"]["a"]["exp_avg"] is t

@@ -25,7 +25,9 @@ def _run_demo(out_dir, *extra: str, timeout: float = 240.0) -> str:
     cmd = [sys.executable, DEMO, "--quick", "--no-progress", "--out", str(out_dir), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     out = proc.stdout
-    assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{out[-4000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (
+        f"demo failed ({proc.returncode}):\n{out[-4000:]}\n{proc.stderr[-6000:]}"
+    )
     return out
 
 
@@ -45,12 +47,15 @@ def _check_checkpoint(path: str, *, world_saved: int) -> None:
     keys = set(FileSystemReader(path).read_metadata().state_dict_metadata)
     # the model (get_model_state_dict) and the optimizer (fsdp_dtensor layout), for dense params
     # and for the experts of BOTH expert-parallel groups, plus the step counter
-    for want in ("model.tok.weight", "model.layers.1.ffn.experts.0.fc1.weight",
-                 "model.layers.1.ffn.experts.3.fc2.bias",
-                 "optimizer.state.tok.weight.exp_avg",
-                 "optimizer.state.layers.1.ffn.experts.0.fc1.weight.exp_avg_sq",
-                 "optimizer.state.layers.1.ffn.experts.3.fc2.bias.exp_avg",
-                 "extra.step"):
+    for want in (
+        "model.tok.weight",
+        "model.layers.1.ffn.experts.0.fc1.weight",
+        "model.layers.1.ffn.experts.3.fc2.bias",
+        "optimizer.state.tok.weight.exp_avg",
+        "optimizer.state.layers.1.ffn.experts.0.fc1.weight.exp_avg_sq",
+        "optimizer.state.layers.1.ffn.experts.3.fc2.bias.exp_avg",
+        "extra.step",
+    ):
         assert want in keys, (want, sorted(keys)[:20])
     assert any(k.startswith("optimizer.param_to_group_meta.") for k in keys)
 

@@ -77,8 +77,15 @@ def parse_blocks(rel_path: str) -> list[Block]:
         while j >= 0 and not lines[j].strip():
             j -= 1
         mark = MARKER.match(lines[j]) if j >= 0 else None
-        blocks.append(Block(rel_path, start + 1, info[0] if info else "", "\n".join(body) + "\n",
-                            mark.group("what") if mark else None))
+        blocks.append(
+            Block(
+                rel_path,
+                start + 1,
+                info[0] if info else "",
+                "\n".join(body) + "\n",
+                mark.group("what") if mark else None,
+            )
+        )
     return blocks
 
 
@@ -131,12 +138,16 @@ def test_every_python_block_runs_or_says_why_not():
             if block.lang in ("py", "python3", "pycon"):
                 pytest.fail(f"{path}:{block.line}: write ```python (got {block.lang!r})")
             if block.lang != "python":
-                assert block.marker is None, f"{path}:{block.line}: a test marker on a non-python block"
+                assert block.marker is None, (
+                    f"{path}:{block.line}: a test marker on a non-python block"
+                )
                 continue
             total += 1
             skipped += _parse_marker(block)[0] == "skip"
     assert total >= 8, f"only {total} python blocks found: is the parser broken?"
-    assert skipped <= MAX_SKIPPED_FRACTION * total, f"{skipped} of {total} python blocks are skipped"
+    assert skipped <= MAX_SKIPPED_FRACTION * total, (
+        f"{skipped} of {total} python blocks are skipped"
+    )
 
 
 def test_parser_sees_markers_and_continuations(tmp_path, monkeypatch):
@@ -172,7 +183,10 @@ def test_mkdocs_build_strict(tmp_path):
         pytest.importorskip(mod, reason="the docs extra is not installed: pip install -e .[docs]")
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert (tmp_path / "site" / "api" / "index.html").is_file()

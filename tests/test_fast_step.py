@@ -43,9 +43,12 @@ def _dparams(seed: int):
 
     mesh = get_mesh((1,))
     gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(DTensor.from_local(torch.randn(s, generator=gen), mesh,
-                                                  [Shard(0)], run_check=False))
-            for s in SHAPES]
+    return [
+        torch.nn.Parameter(
+            DTensor.from_local(torch.randn(s, generator=gen), mesh, [Shard(0)], run_check=False)
+        )
+        for s in SHAPES
+    ]
 
 
 def _set_grads(params, step: int, *, bf16: bool, scale: float, inf: bool):
@@ -105,8 +108,11 @@ def _run_pair(cls, kw, extras, steps=5):
     fast, slow = _make(cls, kw, pa, extras), _make(cls, kw, pb, extras)
     ok_count = 0
     for step in range(steps):
-        grad_kw = dict(bf16=extras["bf16"], scale=(2.0**8 if extras["scaler"] else 1.0),
-                       inf=extras["scaler"] and step == 2)
+        grad_kw = dict(
+            bf16=extras["bf16"],
+            scale=(2.0**8 if extras["scaler"] else 1.0),
+            inf=extras["scaler"] and step == 2,
+        )
         _set_grads(pa, step, **grad_kw)
         _set_grads(pb, step, **grad_kw)
         ra = fast.step()
@@ -122,12 +128,19 @@ def _run_pair(cls, kw, extras, steps=5):
 
 def _configs():
     for name, mode, amsgrad, maximize, wd, lr_tensor in itertools.product(
-            CLASSES, ("fused", "foreach"), (False, True), (False, True), (0.0, 0.1),
-            (False, True)):
+        CLASSES, ("fused", "foreach"), (False, True), (False, True), (0.0, 0.1), (False, True)
+    ):
         if mode == "foreach" and lr_tensor:
             continue  # torch rejects a tensor lr for foreach without capturable (tested below)
-        kw = dict(lr=torch.tensor(0.01) if lr_tensor else 0.01, betas=(0.8, 0.95), eps=1e-6,
-                  weight_decay=wd, amsgrad=amsgrad, maximize=maximize, **{mode: True})
+        kw = dict(
+            lr=torch.tensor(0.01) if lr_tensor else 0.01,
+            betas=(0.8, 0.95),
+            eps=1e-6,
+            weight_decay=wd,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            **{mode: True},
+        )
         yield name, kw
 
 
@@ -295,14 +308,24 @@ def _rank_invalidation():
     out = {}
     p, q = _dparams(0), _dparams(0)
     # a group added later (model_chunks name it: the default names would collide)
-    extra_a = [torch.nn.Parameter(DTensor.from_local(torch.ones(3, 2), p[0].device_mesh,
-                                                     p[0].placements, run_check=False))]
-    extra_b = [torch.nn.Parameter(DTensor.from_local(torch.ones(3, 2), q[0].device_mesh,
-                                                     q[0].placements, run_check=False))]
-    a = FullyShardedOptimizer(torch.optim.AdamW(p, lr=0.01, foreach=True, amsgrad=True),
-                              model_chunks=[torch.nn.ParameterList(p + extra_a)])
-    b = FullyShardedOptimizer(torch.optim.AdamW(q, lr=0.01, foreach=True, amsgrad=True),
-                              model_chunks=[torch.nn.ParameterList(q + extra_b)])
+    extra_a = [
+        torch.nn.Parameter(
+            DTensor.from_local(torch.ones(3, 2), p[0].device_mesh, p[0].placements, run_check=False)
+        )
+    ]
+    extra_b = [
+        torch.nn.Parameter(
+            DTensor.from_local(torch.ones(3, 2), q[0].device_mesh, q[0].placements, run_check=False)
+        )
+    ]
+    a = FullyShardedOptimizer(
+        torch.optim.AdamW(p, lr=0.01, foreach=True, amsgrad=True),
+        model_chunks=[torch.nn.ParameterList(p + extra_a)],
+    )
+    b = FullyShardedOptimizer(
+        torch.optim.AdamW(q, lr=0.01, foreach=True, amsgrad=True),
+        model_chunks=[torch.nn.ParameterList(q + extra_b)],
+    )
     step = 0
 
     def both(n=1):
@@ -350,8 +373,10 @@ def _rank_invalidation():
     both(2)
     out["after_load"] = a.fast_steps - before  # 2: the new state is complete
     # the cache follows the new state objects (an update into the old ones would not show)
-    assert all(t is a.state[x]["exp_avg"]._local_tensor for x, t in
-               zip(a.param_groups[0]["params"], a._fast._groups[0].exp_avgs))
+    assert all(
+        t is a.state[x]["exp_avg"]._local_tensor
+        for x, t in zip(a.param_groups[0]["params"], a._fast._groups[0].exp_avgs)
+    )
 
     # amsgrad switched off for a group: rebuilt without max_exp_avg_sq lists
     for opt in (a, b):
@@ -399,8 +424,7 @@ def _rank_training(fused):
         for name in ("Adam", "AdamW"):
             for filt in (False, True):
                 n[0] = 0
-                norms, _ = _train_and_compare(mesh, name, steps=4, fused=fused,
-                                              filter_empty=filt)
+                norms, _ = _train_and_compare(mesh, name, steps=4, fused=fused, filter_empty=filt)
                 out[f"{name}-{filt}"] = (norms, n[0])
     finally:
         FastAdamStep.step = original  # type: ignore[method-assign]

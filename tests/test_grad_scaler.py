@@ -9,8 +9,9 @@ from mfsdp_optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 
 
 def test_dynamic_backoff_hysteresis_growth_and_min_scale():
-    s = DynamicGradScaler(16.0, min_scale=2.0, growth_factor=2.0, backoff_factor=0.5,
-                          growth_interval=3, hysteresis=2)
+    s = DynamicGradScaler(
+        16.0, min_scale=2.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=3, hysteresis=2
+    )
     s.update(True)  # first overflow spends hysteresis, no backoff yet
     assert s.get_scale() == 16.0
     s.update(True)
@@ -40,8 +41,11 @@ def test_state_dict_round_trip():
         a.update(f)
     b = DynamicGradScaler(1.0, growth_interval=2, hysteresis=3)
     b.load_state_dict(a.state_dict())
-    assert b.state_dict() == a.state_dict() == {"scale": 64.0, "growth_tracker": 0,
-                                                "hysteresis_tracker": 1}
+    assert (
+        b.state_dict()
+        == a.state_dict()
+        == {"scale": 64.0, "growth_tracker": 0, "hysteresis_tracker": 1}
+    )
     for f in (False, True, True, False, False):
         a.update(f)
         b.update(f)
@@ -76,17 +80,26 @@ BAD_ARGS = [
     (lambda: ConstantGradScaler("8"), TypeError, "initial_scale must be a number, got str"),
     (lambda: ConstantGradScaler(True), TypeError, "initial_scale must be a number"),
     (lambda: ConstantGradScaler(float("nan")), ValueError, "initial_scale must be a finite"),
-    (lambda: DynamicGradScaler(hysteresis=float("nan")), ValueError, "hysteresis must be an "
-                                                                     "integer >= 1, got nan"),
+    (
+        lambda: DynamicGradScaler(hysteresis=float("nan")),
+        ValueError,
+        "hysteresis must be an integer >= 1, got nan",
+    ),
     (lambda: DynamicGradScaler(hysteresis=2.5), ValueError, "hysteresis must be an integer"),
     (lambda: DynamicGradScaler(hysteresis="2"), TypeError, "hysteresis must be an integer"),
     (lambda: DynamicGradScaler(growth_interval=0), ValueError, "growth_interval must be >= 1"),
     (lambda: DynamicGradScaler(growth_interval=None), TypeError, "growth_interval must be an"),
-    (lambda: DynamicGradScaler(growth_factor=float("inf")), ValueError,
-     "growth_factor must be a finite number"),
+    (
+        lambda: DynamicGradScaler(growth_factor=float("inf")),
+        ValueError,
+        "growth_factor must be a finite number",
+    ),
     (lambda: DynamicGradScaler(growth_factor="2"), TypeError, "growth_factor must be a number"),
-    (lambda: DynamicGradScaler(backoff_factor=float("nan")), ValueError,
-     "backoff_factor must be a finite number"),
+    (
+        lambda: DynamicGradScaler(backoff_factor=float("nan")),
+        ValueError,
+        "backoff_factor must be a finite number",
+    ),
     (lambda: DynamicGradScaler(backoff_factor=0.0), ValueError, "backoff_factor must be in"),
     (lambda: DynamicGradScaler(min_scale=0.0), ValueError, "min_scale must be a finite number > 0"),
     (lambda: DynamicGradScaler(min_scale=1e-40), ValueError, "float32's normal range"),
@@ -114,11 +127,15 @@ def test_extreme_but_valid_scales_and_growth_stops_at_the_float32_range():
 
 BAD_STATES = [
     ({"scale": 2.0, "growth_tracker": -1, "hysteresis_tracker": 1}, "growth_tracker must be >= 0"),
-    ({"scale": 2.0, "growth_tracker": 0, "hysteresis_tracker": -3},
-     "hysteresis_tracker must be >= 0"),
+    (
+        {"scale": 2.0, "growth_tracker": 0, "hysteresis_tracker": -3},
+        "hysteresis_tracker must be >= 0",
+    ),
     ({"scale": 2.0, "growth_tracker": 0.5, "hysteresis_tracker": 1}, "growth_tracker must be an"),
-    ({"scale": 2.0, "growth_tracker": 7, "hysteresis_tracker": 1}, "growth_tracker must be < "
-                                                                   "growth_interval"),
+    (
+        {"scale": 2.0, "growth_tracker": 7, "hysteresis_tracker": 1},
+        "growth_tracker must be < growth_interval",
+    ),
     ({"scale": 1e39, "growth_tracker": 0, "hysteresis_tracker": 1}, "float32's normal range"),
     ({"scale": "2", "growth_tracker": 0, "hysteresis_tracker": 1}, "scale must be a number"),
     ({"scale": 2.0, "growth_tracker": 0, "hysteresis_tracker": 1, "x": 1}, "unexpected keys"),

@@ -43,25 +43,35 @@ def _rank_pair(opt_kw: dict, steps: int = 10):
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def local(full):
-        return torch.chunk(full, world)[rank] if full.shape[0] >= world or rank == 0 else (
-            full[:0])
+        return torch.chunk(full, world)[rank] if full.shape[0] >= world or rank == 0 else (full[:0])
 
     def dparam(full):
-        return torch.nn.Parameter(DTensor.from_local(local(full).clone(), mesh, [Shard(0)],
-                                                     run_check=False, shape=full.shape,
-                                                     stride=full.stride()))
+        return torch.nn.Parameter(
+            DTensor.from_local(
+                local(full).clone(),
+                mesh,
+                [Shard(0)],
+                run_check=False,
+                shape=full.shape,
+                stride=full.stride(),
+            )
+        )
 
     gen = torch.Generator().manual_seed(0)
     init = [torch.randn(s, generator=gen) for s in SHAPES]
     opts, params = [], []
     for host_sync in (True, False):
         ps = [dparam(t) for t in init]
-        scaler = DynamicGradScaler(2.0**10, growth_factor=1.5, backoff_factor=0.3,
-                                   growth_interval=2, hysteresis=2)
-        opts.append(FullyShardedOptimizer(
-            torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, **opt_kw),
-            OptimizerConfig(clip_grad=0.5, log_num_zeros_in_grad=True, host_sync=host_sync),
-            grad_scaler=scaler))
+        scaler = DynamicGradScaler(
+            2.0**10, growth_factor=1.5, backoff_factor=0.3, growth_interval=2, hysteresis=2
+        )
+        opts.append(
+            FullyShardedOptimizer(
+                torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, **opt_kw),
+                OptimizerConfig(clip_grad=0.5, log_num_zeros_in_grad=True, host_sync=host_sync),
+                grad_scaler=scaler,
+            )
+        )
         params.append(ps)
     out = {"reads": [], "ok": [], "scales": []}
     for step in range(steps):
@@ -72,8 +82,9 @@ def _rank_pair(opt_kw: dict, steps: int = 10):
                 lg = local(g).clone() * opt.grad_scaler.scale_on("cpu")
                 if step in INF_STEPS and rank == world - 1 and lg.numel():
                     lg.view(-1)[0] = float("inf")
-                p.grad = DTensor.from_local(lg, mesh, [Shard(0)], run_check=False,
-                                            shape=g.shape, stride=g.stride())
+                p.grad = DTensor.from_local(
+                    lg, mesh, [Shard(0)], run_check=False, shape=g.shape, stride=g.stride()
+                )
         host = opts[0].step()
         counter = CountHostReads()
         with counter:
@@ -121,10 +132,10 @@ def _rank_no_scaler():
     from mfsdp_optim import FullyShardedOptimizer, OptimizerConfig
 
     mesh = get_mesh((dist.get_world_size(),))
-    p = torch.nn.Parameter(DTensor.from_local(torch.ones(4, 3), mesh, [Shard(0)],
-                                              run_check=False))
-    opt = FullyShardedOptimizer(torch.optim.SGD([p], lr=0.1, momentum=0.9),
-                                OptimizerConfig(clip_grad=1.0, host_sync=False))
+    p = torch.nn.Parameter(DTensor.from_local(torch.ones(4, 3), mesh, [Shard(0)], run_check=False))
+    opt = FullyShardedOptimizer(
+        torch.optim.SGD([p], lr=0.1, momentum=0.9), OptimizerConfig(clip_grad=1.0, host_sync=False)
+    )
     reads = []
     for _ in range(3):
         p.grad = DTensor.from_local(torch.full((4, 3), 2.0), mesh, [Shard(0)], run_check=False)
@@ -156,13 +167,17 @@ def test_host_sync_false_never_syncs_on_cuda(tmp_path):
     dist.init_process_group("nccl", store=store, rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cuda", (1,))
-        params = [torch.nn.Parameter(DTensor.from_local(torch.randn(s, device="cuda"), mesh,
-                                                        [Shard(0)], run_check=False))
-                  for s in SHAPES]
+        params = [
+            torch.nn.Parameter(
+                DTensor.from_local(torch.randn(s, device="cuda"), mesh, [Shard(0)], run_check=False)
+            )
+            for s in SHAPES
+        ]
         opt = FullyShardedOptimizer(
             torch.optim.AdamW(params, lr=0.01, fused=True),
             OptimizerConfig(clip_grad=0.5, host_sync=False),
-            grad_scaler=DynamicGradScaler(2.0**10, growth_interval=2, hysteresis=1))
+            grad_scaler=DynamicGradScaler(2.0**10, growth_interval=2, hysteresis=1),
+        )
         results = []
         for step in range(6):
             for p in params:

@@ -38,8 +38,9 @@ def _tp_model(ln_on_dp_mesh: bool, grads: bool, ln_values: str):
     mesh = get_mesh((2, 2))
     dp = get_mesh((2, 2), (0,))
     m = torch.nn.Module()
-    _param(m, "w", _randn((8, 6), 1), mesh, [Shard(0), Shard(1)],
-           _randn((8, 6), 2) if grads else None)
+    _param(
+        m, "w", _randn((8, 6), 1), mesh, [Shard(0), Shard(1)], _randn((8, 6), 2) if grads else None
+    )
     ln = torch.ones(6) if ln_values == "ones" else _randn(6, 3)
     ln_grad = _randn(6, 4) if grads else None
     if ln_on_dp_mesh:
@@ -67,8 +68,9 @@ def _rank_tp(ln_on_dp_mesh, grads, ln_values):
     if grads:
         norm = float(mfsdp_optim.get_grad_norm([p.grad for p in model.parameters()]))
         # the distinct global tensors, brute force
-        ref = math.sqrt(float(_randn((8, 6), 2).double().square().sum()
-                              + _randn(6, 4).double().square().sum()))
+        ref = math.sqrt(
+            float(_randn((8, 6), 2).double().square().sum() + _randn(6, 4).double().square().sum())
+        )
     return found, messages, norm, ref
 
 
@@ -85,10 +87,15 @@ def _expert_model(same_experts: bool, grads: bool):
     _param(m, "w", _randn((8, 4), 10), dense, [Shard(0)], _randn((8, 4), 11) if grads else None)
     experts = torch.nn.Module()
     m.add_module("experts", experts)
-    _param(experts, "w", _randn((4, 6), 20 + seed), edp, [Shard(0)],
-           _randn((4, 6), 30 + seed) if grads else None)
-    _param(experts, "b", torch.zeros(6), edp, [Shard(0)],
-           _randn(6, 40 + seed) if grads else None)
+    _param(
+        experts,
+        "w",
+        _randn((4, 6), 20 + seed),
+        edp,
+        [Shard(0)],
+        _randn((4, 6), 30 + seed) if grads else None,
+    )
+    _param(experts, "b", torch.zeros(6), edp, [Shard(0)], _randn(6, 40 + seed) if grads else None)
     assert rank in edp.mesh.flatten().tolist()
     return m
 

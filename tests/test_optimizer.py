@@ -69,8 +69,14 @@ def _full_state(opt_state: dict, param) -> dict:
             assert v.device_mesh == param.device_mesh and v.placements == param.placements, k
             v = v.full_tensor()
         elif torch.is_tensor(v) and v.shape == param._local_tensor.shape and v.dim() > 0:
-            v = DTensor.from_local(v, param.device_mesh, param.placements, run_check=False,
-                                   shape=param.shape, stride=param.stride()).full_tensor()
+            v = DTensor.from_local(
+                v,
+                param.device_mesh,
+                param.placements,
+                run_check=False,
+                shape=param.shape,
+                stride=param.stride(),
+            ).full_tensor()
         out[k] = v
     return out
 
@@ -80,14 +86,20 @@ def _compare_state(name, full: dict, ref: dict, atol: float) -> None:
     for k in ref:
         a, b = full[k], ref[k]
         if torch.is_tensor(b):
-            torch.testing.assert_close(torch.as_tensor(a).float(), b.float(), atol=atol,
-                                       rtol=1e-5, msg=lambda m, k=k: f"{name}.{k}: {m}")
+            torch.testing.assert_close(
+                torch.as_tensor(a).float(),
+                b.float(),
+                atol=atol,
+                rtol=1e-5,
+                msg=lambda m, k=k: f"{name}.{k}: {m}",
+            )
         else:
             assert a == b, f"{name}.{k}: {a} vs {b}"
 
 
-def _train_and_compare(mesh, opt_name, *, steps=4, clip=0.05, fused=False, filter_empty=False,
-                       break_it=False, seed=0):
+def _train_and_compare(
+    mesh, opt_name, *, steps=4, clip=0.05, fused=False, filter_empty=False, break_it=False, seed=0
+):
     """Train a sharded model through the wrapper next to an unsharded reference; check all."""
     from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
 
@@ -99,8 +111,9 @@ def _train_and_compare(mesh, opt_name, *, steps=4, clip=0.05, fused=False, filte
     ref_opt = cls(ref.parameters(), **kw, **extra)
     opt = FullyShardedOptimizer(
         cls(model.parameters(), **kw, **extra),
-        OptimizerConfig(clip_grad=clip, log_num_zeros_in_grad=True,
-                        filter_empty_shards=filter_empty),
+        OptimizerConfig(
+            clip_grad=clip, log_num_zeros_in_grad=True, filter_empty_shards=filter_empty
+        ),
         model_chunks=[model],
     )
     norms = []
@@ -111,8 +124,11 @@ def _train_and_compare(mesh, opt_name, *, steps=4, clip=0.05, fused=False, filte
         opt.zero_grad()
         ref(x).pow(2).mean().backward()
         ref_zeros = sum(int((p.grad == 0).sum()) for p in ref.parameters())
-        ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)) if clip else (
-            float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])))
+        ref_norm = (
+            float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip))
+            if clip
+            else (float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])))
+        )
         ref_opt.step()
         ref_opt.zero_grad()
         assert ok
@@ -134,8 +150,13 @@ def _train_and_compare(mesh, opt_name, *, steps=4, clip=0.05, fused=False, filte
         ref_state_t[key][-1, -1] += 1e-4
     n_state = 0
     for rec in opt._param_records():
-        torch.testing.assert_close(rec.param.full_tensor(), ref_params[rec.fqn].detach(),
-                                   atol=1e-6, rtol=1e-5, msg=lambda m, rec=rec: f"{rec.fqn}: {m}")
+        torch.testing.assert_close(
+            rec.param.full_tensor(),
+            ref_params[rec.fqn].detach(),
+            atol=1e-6,
+            rtol=1e-5,
+            msg=lambda m, rec=rec: f"{rec.fqn}: {m}",
+        )
         ref_state = ref_opt.state[ref_params[rec.fqn]]
         # transparent: the base optimizer's groups hold the model's DTensors, filtered or not
         assert any(p is rec.param for g in opt.param_groups for p in g["params"])
@@ -143,9 +164,14 @@ def _train_and_compare(mesh, opt_name, *, steps=4, clip=0.05, fused=False, filte
             assert filter_empty and rec.param._local_tensor.numel() == 0
             assert rec.param not in opt.state
             # an empty placeholder keeps the full_tensor() collectives rank-consistent
-            local_state = {k: (torch.empty_like(rec.param._local_tensor)
-                               if torch.is_tensor(v) and v.dim() > 0 else v)
-                           for k, v in ref_state.items()}
+            local_state = {
+                k: (
+                    torch.empty_like(rec.param._local_tensor)
+                    if torch.is_tensor(v) and v.dim() > 0
+                    else v
+                )
+                for k, v in ref_state.items()
+            }
         else:
             assert rec.opt_param is rec.param
             local_state = opt.state[rec.param]
@@ -190,8 +216,7 @@ def _rank_all_optimizers(break_exact: str | None = None):
             a, b = _model(7), _model(7)
             _shard(a, mesh)
             _shard(b, mesh)
-            wrapped = FullyShardedOptimizer(cls(a.parameters(), **kw, **extra),
-                                            model_chunks=[a])
+            wrapped = FullyShardedOptimizer(cls(a.parameters(), **kw, **extra), model_chunks=[a])
             stock = cls(b.parameters(), **kw, **extra)
             tag = f"{name}{'-fused' if fused else ''}"
             try:
@@ -288,8 +313,9 @@ STOCK_UNSUPPORTED = {"SGD-fused", "Adagrad-fused"}
 
 def test_every_optimizer_matches_unwrapped(ranks):
     results = ranks(2).run(_rank_all_optimizers)
-    expected = [f"{n}{s}" for n in OPTIMIZERS for s in ("", "-fused")
-                if s == "" or n in FUSED_ON_CPU]
+    expected = [
+        f"{n}{s}" for n in OPTIMIZERS for s in ("", "-fused") if s == "" or n in FUSED_ON_CPU
+    ]
     expected = [t + (":stock-unsupported" if t in STOCK_UNSUPPORTED else "") for t in expected]
     assert results[0] == expected  # the tags pinned: a bit-exact comparison cannot drop out
     assert all(r == results[0] for r in results)
@@ -309,8 +335,7 @@ def _rank_broken(what):
     import torch.distributed as dist
     from _layouts import get_mesh
 
-    return _train_and_compare(get_mesh((dist.get_world_size(),)), "Adam", steps=2,
-                              break_it=what)
+    return _train_and_compare(get_mesh((dist.get_world_size(),)), "Adam", steps=2, break_it=what)
 
 
 @pytest.mark.parametrize("what", ["params", "state"])

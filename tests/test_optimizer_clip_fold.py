@@ -54,9 +54,14 @@ def _wrapped(cls, kw, fold: bool, bf16: bool, steps: int, device: str):
 
     mesh = _mesh(device)
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(DTensor.from_local(torch.randn(s, generator=gen).to(device),
-                                                    mesh, [Shard(0)], run_check=False))
-              for s in SHAPES]
+    params = [
+        torch.nn.Parameter(
+            DTensor.from_local(
+                torch.randn(s, generator=gen).to(device), mesh, [Shard(0)], run_check=False
+            )
+        )
+        for s in SHAPES
+    ]
     opt = FullyShardedOptimizer(cls(params, **kw), OptimizerConfig(clip_grad=CLIP))
     old = os.environ.pop(DISABLE_CLIP_FOLD_ENV, None)
     if not fold:
@@ -79,8 +84,13 @@ def _wrapped(cls, kw, fold: bool, bf16: bool, steps: int, device: str):
         if old is not None:
             os.environ[DISABLE_CLIP_FOLD_ENV] = old
     # the base optimizer keeps stock state: keyed by the DTensor params, DTensor values
-    state = [{k: (v._local_tensor if isinstance(v, DTensor) else v).clone()
-              for k, v in opt.optimizer.state[p].items()} for p in params]
+    state = [
+        {
+            k: (v._local_tensor if isinstance(v, DTensor) else v).clone()
+            for k, v in opt.optimizer.state[p].items()
+        }
+        for p in params
+    ]
     return [p._local_tensor.clone() for p in params], grads, state, norms, opt.clip_folds
 
 
@@ -127,8 +137,9 @@ def _rank_fold(bf16: bool, device: str):
     return out
 
 
-CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                    reason="needs a CUDA device"))
+CUDA = pytest.param(
+    "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
@@ -154,14 +165,18 @@ def _rank_when_not():
         pass
 
     def run(make, clip=CLIP, user_grad_scale=False, explicit_clip=False):
-        params = [torch.nn.Parameter(DTensor.from_local(torch.ones(4, 2), mesh, [Shard(0)],
-                                                        run_check=False))]
+        params = [
+            torch.nn.Parameter(
+                DTensor.from_local(torch.ones(4, 2), mesh, [Shard(0)], run_check=False)
+            )
+        ]
         opt = FullyShardedOptimizer(make(params), OptimizerConfig(clip_grad=clip))
         if user_grad_scale:
             opt.optimizer.grad_scale = torch.tensor(1.0)
         for _ in range(2):
-            params[0].grad = DTensor.from_local(torch.full((4, 2), 5.0), mesh, [Shard(0)],
-                                                run_check=False)
+            params[0].grad = DTensor.from_local(
+                torch.full((4, 2), 5.0), mesh, [Shard(0)], run_check=False
+            )
             if explicit_clip:
                 opt.prepare_grads()
                 opt.clip_grad_norm(CLIP)
@@ -176,16 +191,28 @@ def _rank_when_not():
         "foreach": run(lambda ps: torch.optim.AdamW(ps, lr=0.1, foreach=True)),
         "subclass": run(lambda ps: MyAdamW(ps, lr=0.1, fused=True)),
         "no_clip": run(lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True), clip=0.0),
-        "user_grad_scale": run(lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True),
-                               user_grad_scale=True),
-        "explicit_clip": run(lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True),
-                             clip=0.0, explicit_clip=True),
-        "mixed_groups": run(lambda ps: torch.optim.SGD(
-            [{"params": ps, "fused": True}, {"params": [], "fused": False}], lr=0.1)),
+        "user_grad_scale": run(
+            lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True), user_grad_scale=True
+        ),
+        "explicit_clip": run(
+            lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True), clip=0.0, explicit_clip=True
+        ),
+        "mixed_groups": run(
+            lambda ps: torch.optim.SGD(
+                [{"params": ps, "fused": True}, {"params": [], "fused": False}], lr=0.1
+            )
+        ),
     }
 
 
 def test_fold_taken_only_where_safe(ranks):
     (out,) = ranks(1).run(_rank_when_not)
-    assert out == {"fused": 2, "foreach": 0, "subclass": 0, "no_clip": 0,
-                   "user_grad_scale": 0, "explicit_clip": 0, "mixed_groups": 0}, out
+    assert out == {
+        "fused": 2,
+        "foreach": 0,
+        "subclass": 0,
+        "no_clip": 0,
+        "user_grad_scale": 0,
+        "explicit_clip": 0,
+        "mixed_groups": 0,
+    }, out

@@ -21,8 +21,9 @@ def _moe(stripe: int):
         for lin in [dense, *experts]:
             lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen))
             lin.bias.copy_(torch.randn(lin.bias.shape, generator=gen))
-    ref = torch.nn.ModuleDict({"dense": copy.deepcopy(dense),
-                               "experts": torch.nn.ModuleList(copy.deepcopy(experts))})
+    ref = torch.nn.ModuleDict(
+        {"dense": copy.deepcopy(dense), "experts": torch.nn.ModuleList(copy.deepcopy(experts))}
+    )
     model = torch.nn.ModuleDict({"dense": dense, "expert": experts[stripe]})
     return model, ref
 
@@ -62,8 +63,11 @@ def _rank_moe():
     # --- training equivalence on the dense+expert layout, with clipping
     stripe, model, ref = _moe_setup()
     expert_first = list(model["expert"].parameters()) + list(model["dense"].parameters())
-    opt = FullyShardedOptimizer(torch.optim.AdamW(expert_first, lr=0.01, foreach=True),
-                                OptimizerConfig(clip_grad=0.5), model_chunks=[model])
+    opt = FullyShardedOptimizer(
+        torch.optim.AdamW(expert_first, lr=0.01, foreach=True),
+        OptimizerConfig(clip_grad=0.5),
+        model_chunks=[model],
+    )
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, foreach=True)
     for step in range(3):
         x = _batch(step)
@@ -79,8 +83,7 @@ def _rank_moe():
     for name, p in model["dense"].named_parameters():
         torch.testing.assert_close(p.full_tensor(), getattr(ref["dense"], name).detach())
     for name, p in model["expert"].named_parameters():
-        torch.testing.assert_close(p.full_tensor(),
-                                   getattr(ref["experts"][stripe], name).detach())
+        torch.testing.assert_close(p.full_tensor(), getattr(ref["experts"][stripe], name).detach())
     out["norm"] = norm
 
     # --- overflow: NaN planted on rank 0's expert grad, stock scaler vs ours
@@ -91,19 +94,25 @@ def _rank_moe():
 
     stripe, stock_model, _ = _moe_setup()
     stock_params = list(stock_model["expert"].parameters()) + list(
-        stock_model["dense"].parameters())
+        stock_model["dense"].parameters()
+    )
     stock_opt = torch.optim.Adam(stock_params, lr=0.01)
     stock_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     planted(stock_model, stock_scaler.scale)
     stock_scaler.unscale_(stock_opt)
     out["stock_found_inf"] = bool(
-        sum(v.item() for v in stock_scaler._found_inf_per_device(stock_opt).values()))
+        sum(v.item() for v in stock_scaler._found_inf_per_device(stock_opt).values())
+    )
 
     stripe, model, ref = _moe_setup()
     params = list(model["expert"].parameters()) + list(model["dense"].parameters())
     scaler = DynamicGradScaler(1024.0, hysteresis=1, growth_interval=1)
-    opt = FullyShardedOptimizer(torch.optim.Adam(params, lr=0.01), OptimizerConfig(clip_grad=1.0),
-                                grad_scaler=scaler, model_chunks=[model])
+    opt = FullyShardedOptimizer(
+        torch.optim.Adam(params, lr=0.01),
+        OptimizerConfig(clip_grad=1.0),
+        grad_scaler=scaler,
+        model_chunks=[model],
+    )
     before = [p._local_tensor.clone() for p in params]
     planted(model, opt.scale_loss)
     ok, norm, zeros = opt.step()
@@ -155,9 +164,12 @@ def _rank_cast_sched_hooks_rebind():
     model = _model(4)
     ref = copy.deepcopy(model)
     _shard(model, mesh)
-    opt = FullyShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01),
-                                OptimizerConfig(clip_grad=0.05),
-                                grad_scaler=ConstantGradScaler(8.0), model_chunks=[model])
+    opt = FullyShardedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=0.01),
+        OptimizerConfig(clip_grad=0.05),
+        grad_scaler=ConstantGradScaler(8.0),
+        model_chunks=[model],
+    )
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
     for step in range(2):
         x = _batch(step)
@@ -166,8 +178,14 @@ def _rank_cast_sched_hooks_rebind():
             g = p.grad
             p.grad = None
             p.grad_dtype = None
-            p.grad = DTensor.from_local(g._local_tensor.bfloat16(), g.device_mesh, g.placements,
-                                        run_check=False, shape=g.shape, stride=g.stride())
+            p.grad = DTensor.from_local(
+                g._local_tensor.bfloat16(),
+                g.device_mesh,
+                g.placements,
+                run_check=False,
+                shape=g.shape,
+                stride=g.stride(),
+            )
         ok, norm, _ = opt.step()
         ref(x).pow(2).mean().backward()
         for p in ref.parameters():
@@ -186,8 +204,7 @@ def _rank_cast_sched_hooks_rebind():
     # --- lr scheduler and step hooks
     model = _model(5)
     _shard(model, mesh)
-    opt = FullyShardedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
-                                model_chunks=[model])
+    opt = FullyShardedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model_chunks=[model])
     calls = []
     snap = {}
     opt.register_step_pre_hook(lambda o, a, k: calls.append(("pre", len(a))))
@@ -199,7 +216,7 @@ def _rank_cast_sched_hooks_rebind():
     opt.register_step_post_hook(post)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an order warning from the scheduler fails the test
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
         for step in range(3):
             model(_batch(step)).sum().backward()
             opt.step()
@@ -215,8 +232,11 @@ def _rank_cast_sched_hooks_rebind():
     gen = torch.Generator().manual_seed(0)
     full = torch.randn(7, 3, generator=gen)
     local = torch.chunk(full, dist.get_world_size())[dist.get_rank()].clone()
-    p = torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
-                                              shape=full.shape, stride=full.stride()))
+    p = torch.nn.Parameter(
+        DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
+        )
+    )
     ref_p = torch.nn.Parameter(full.clone())
     base = torch.optim.Adam([p], lr=0.1, foreach=True)
     ref_opt = torch.optim.Adam([ref_p], lr=0.1, foreach=True)
@@ -227,9 +247,14 @@ def _rank_cast_sched_hooks_rebind():
 
     def set_grad(step):
         g = grad(step)
-        p.grad = DTensor.from_local(torch.chunk(g, dist.get_world_size())[dist.get_rank()]
-                                    .clone(), mesh, [Shard(0)], run_check=False,
-                                    shape=g.shape, stride=g.stride())
+        p.grad = DTensor.from_local(
+            torch.chunk(g, dist.get_world_size())[dist.get_rank()].clone(),
+            mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=g.shape,
+            stride=g.stride(),
+        )
         ref_p.grad = g
 
     set_grad(0)
@@ -282,22 +307,40 @@ def _rank_bad_configs():
     _shard(model, mesh)
     other = _model(1)
     _shard(other, mesh)
-    capture("missing", lambda: FullyShardedOptimizer(
-        torch.optim.SGD(list(model.parameters()) + list(other.parameters()), lr=1),
-        model_chunks=[model]))
-    capture("collide", lambda: FullyShardedOptimizer(
-        torch.optim.SGD(list(model.parameters()) + list(other.parameters()), lr=1),
-        model_chunks=[model, other]))
+    capture(
+        "missing",
+        lambda: FullyShardedOptimizer(
+            torch.optim.SGD(list(model.parameters()) + list(other.parameters()), lr=1),
+            model_chunks=[model],
+        ),
+    )
+    capture(
+        "collide",
+        lambda: FullyShardedOptimizer(
+            torch.optim.SGD(list(model.parameters()) + list(other.parameters()), lr=1),
+            model_chunks=[model, other],
+        ),
+    )
     only0 = dist.new_group([0])
-    capture("group", lambda: FullyShardedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=1),
-        OptimizerConfig(grad_stats_group=only0), model_chunks=[model]))
+    capture(
+        "group",
+        lambda: FullyShardedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=1),
+            OptimizerConfig(grad_stats_group=only0),
+            model_chunks=[model],
+        ),
+    )
     capture("clip", lambda: OptimizerConfig(clip_grad=-1.0))
     capture("norm", lambda: OptimizerConfig(norm_type=0.0))
     opt = FullyShardedOptimizer(torch.optim.SGD(model.parameters(), lr=1), model_chunks=[model])
-    capture("state_dict", FullyShardedOptimizer(  # stock state_dict() only without the filter
-        torch.optim.SGD(model.parameters(), lr=1), OptimizerConfig(filter_empty_shards=True),
-        model_chunks=[model]).state_dict)
+    capture(
+        "state_dict",
+        FullyShardedOptimizer(  # stock state_dict() only without the filter
+            torch.optim.SGD(model.parameters(), lr=1),
+            OptimizerConfig(filter_empty_shards=True),
+            model_chunks=[model],
+        ).state_dict,
+    )
     capture("step_before_prepare", opt.step_with_ready_grads)
     model(_batch(0)).sum().backward()
     found = opt.prepare_grads()
@@ -322,13 +365,22 @@ def test_bad_configs_and_stage_errors(ranks):
     errors, found, norm = results[0]
     assert found is False and norm > 1e-3
     expect = {
-        "plain": ("TypeError", r"param_groups\[0\]\['params'\]\[0\] is a Parameter, expected a "
-                               r"DTensor.*fully_shard"),
-        "missing": ("ValueError", r"6 optimizer params are missing from model_chunks: "
-                                  r"param_groups\[0\]\['params'\]\[6\] \(shape \(5, 6\)"),
+        "plain": (
+            "TypeError",
+            r"param_groups\[0\]\['params'\]\[0\] is a Parameter, expected a "
+            r"DTensor.*fully_shard",
+        ),
+        "missing": (
+            "ValueError",
+            r"6 optimizer params are missing from model_chunks: "
+            r"param_groups\[0\]\['params'\]\[6\] \(shape \(5, 6\)",
+        ),
         "collide": ("ValueError", r"colliding parameter FQNs: '0\.bias' \(chunks \[0, 1\]\)"),
-        "group": ("ValueError", r"grad_stats_group misses ranks \[1\] that hold shards of "
-                                r"'0\.weight'"),
+        "group": (
+            "ValueError",
+            r"grad_stats_group misses ranks \[1\] that hold shards of "
+            r"'0\.weight'",
+        ),
         "clip": ("ValueError", r"clip_grad must be a finite number >= 0"),
         "norm": ("ValueError", r"norm_type must be > 0"),
         "state_dict": ("NotImplementedError", r"sharded_state_dict\(\)"),
@@ -377,8 +429,9 @@ def _rank_add_param_group():
     refused("again", opt, {"params": [next(second.parameters())]})
     refused("plain", opt, {"params": [torch.nn.Parameter(torch.ones(2))]})
     # with model_chunks, a param from outside them is refused before anything changes
-    chunked = FullyShardedOptimizer(torch.optim.Adam(first.parameters(), lr=1e-2),
-                                    model_chunks=[first])
+    chunked = FullyShardedOptimizer(
+        torch.optim.Adam(first.parameters(), lr=1e-2), model_chunks=[first]
+    )
     refused("outside", chunked, {"params": list(outsider.parameters())})
 
     # the optimizer still trains both groups like the plain one
@@ -392,8 +445,10 @@ def _rank_add_param_group():
             o.step()
     same = all(
         torch.allclose(p.full_tensor(), q, rtol=1e-5, atol=1e-6)
-        for p, q in zip([*first.parameters(), *second.parameters()],
-                        [*ref_first.parameters(), *ref_second.parameters()])
+        for p, q in zip(
+            [*first.parameters(), *second.parameters()],
+            [*ref_first.parameters(), *ref_second.parameters()],
+        )
     )
     return names, errors, same
 

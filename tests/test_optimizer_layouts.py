@@ -27,15 +27,20 @@ OPTIMIZERS = {
     "SGD": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
     "RMSprop": (torch.optim.RMSprop, dict(lr=0.01)),
 }
-MODES = {"Adam": ("foreach", "fused"), "AdamW": ("foreach", "fused"),
-         "SGD": ("foreach", "fused"), "RMSprop": ("foreach",)}
+MODES = {
+    "Adam": ("foreach", "fused"),
+    "AdamW": ("foreach", "fused"),
+    "SGD": ("foreach", "fused"),
+    "RMSprop": ("foreach",),
+}
 STEPS = 3
 
 
 def _param_spec(spec):
     """The param of a grad layout: same layout, float32, its own values."""
-    return dataclasses.replace(spec, dtype="float32", zero_fraction=0.0, scale=1.0,
-                               seed=spec.seed + 7919)
+    return dataclasses.replace(
+        spec, dtype="float32", zero_fraction=0.0, scale=1.0, seed=spec.seed + 7919
+    )
 
 
 def _grad_spec(spec, step: int):
@@ -105,8 +110,10 @@ def _stripe_of(rank: int, spec) -> tuple[int, ...]:
 def cases(draw):
     world = draw(st.sampled_from([1, 2, 4, 8]))
     dense = draw(mesh_shapes(world))
-    specs = [draw(grad_specs(world, dense if draw(st.booleans()) else None))
-             for _ in range(draw(st.integers(0, 4)))]
+    specs = [
+        draw(grad_specs(world, dense if draw(st.booleans()) else None))
+        for _ in range(draw(st.integers(0, 4)))
+    ]
     opt_name = draw(st.sampled_from(sorted(OPTIMIZERS)))
     mode = draw(st.sampled_from(MODES[opt_name]))
     clip = draw(st.sampled_from([0.0, 0.5, 1e6]))
@@ -129,8 +136,13 @@ def _check(results, specs, reference):
         assert norms == pytest.approx(ref_norms, rel=2e-5, abs=1e-30), (norms, ref_norms)
         for i, (spec, got) in enumerate(zip(specs, params)):
             want = ref_params[(i, _stripe_of(rank, spec))].detach()
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, i=i, r=rank: f"rank {r}, param {i}: {m}")
+            torch.testing.assert_close(
+                got,
+                want,
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda m, i=i, r=rank: f"rank {r}, param {i}: {m}",
+            )
 
 
 def test_the_comparison_is_live(ranks):

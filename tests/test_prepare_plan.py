@@ -44,17 +44,21 @@ def _rank_script(mode: str):
     mesh = get_mesh((1,))
     gen = torch.Generator().manual_seed(0)
     init = [torch.randn(s, generator=gen) for s in SHAPES + [(4, 2)]]
-    params = [torch.nn.Parameter(DTensor.from_local(t.clone(), mesh, [Shard(0)],
-                                                    run_check=False)) for t in init[:-1]]
-    extra = torch.nn.Parameter(DTensor.from_local(init[-1].clone(), mesh, [Shard(0)],
-                                                  run_check=False))
+    params = [
+        torch.nn.Parameter(DTensor.from_local(t.clone(), mesh, [Shard(0)], run_check=False))
+        for t in init[:-1]
+    ]
+    extra = torch.nn.Parameter(
+        DTensor.from_local(init[-1].clone(), mesh, [Shard(0)], run_check=False)
+    )
     ref = [torch.nn.Parameter(t.clone()) for t in init]
     kw = dict(lr=0.01, weight_decay=0.1, **{mode: True})
     chunk = torch.nn.Module()
     for i, p in enumerate(params + [extra]):
         chunk.register_parameter(f"p{i}", p)
-    opt = FullyShardedOptimizer(torch.optim.AdamW(params, **kw), OptimizerConfig(),
-                                model_chunks=[chunk])
+    opt = FullyShardedOptimizer(
+        torch.optim.AdamW(params, **kw), OptimizerConfig(), model_chunks=[chunk]
+    )
     ref_opt = torch.optim.AdamW(ref[:-1], **kw)
     specs = [None] * len(init)
     replayed = []
@@ -67,8 +71,9 @@ def _rank_script(mode: str):
         if event == "fresh-spec-1":
             specs[1] = None
         g_gen = torch.Generator().manual_seed(100 + step)
-        live = params + ([extra] if opt.param_groups[-1]["params"] and len(
-            opt.param_groups) == 2 else [])
+        live = params + (
+            [extra] if opt.param_groups[-1]["params"] and len(opt.param_groups) == 2 else []
+        )
         for i, p in enumerate(live):
             g = torch.randn(p.shape, generator=g_gen)
             if event == "no-grad-2" and i == 2:
@@ -93,8 +98,9 @@ def _rank_script(mode: str):
         for i, p in enumerate(live):
             assert torch.equal(p._local_tensor, ref[i].detach()), (mode, step, event, i)
             if p.grad is not None:
-                assert p.grad._local_tensor.dtype == (torch.bfloat16 if event == "bf16-0"
-                                                      and i == 0 else torch.float32)
+                assert p.grad._local_tensor.dtype == (
+                    torch.bfloat16 if event == "bf16-0" and i == 0 else torch.float32
+                )
         opt.zero_grad()
         ref_opt.zero_grad()
     return replayed, opt.fast_steps

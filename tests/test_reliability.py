@@ -71,8 +71,13 @@ def _kill_worker(rank, world, init_file, root, mode, victim):
     import warnings
 
     warnings.simplefilter("ignore")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=PG_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=PG_TIMEOUT_S),
+    )
     m = Model("fsdp", "adam")
     m.step(0)
     sd = build_sharded_state_dict(m.optimizer, m.records)
@@ -85,8 +90,9 @@ def _kill_worker(rank, world, init_file, root, mode, victim):
     t0 = time.monotonic()
     outcome = {"rank": rank, "error": None}
     try:
-        save_checkpoint({"optimizer": sd}, os.path.join(root, "step_2"),
-                        writer_cls=_writer_cls(mode, victim))
+        save_checkpoint(
+            {"optimizer": sd}, os.path.join(root, "step_2"), writer_cls=_writer_cls(mode, victim)
+        )
     except BaseException as exc:  # the survivors: record what they saw
         outcome["error"] = f"{type(exc).__name__}: {exc}"[:600]
     outcome["elapsed_s"] = time.monotonic() - t0
@@ -100,8 +106,10 @@ def _spawn_kill(root: str, mode: str, victim: int, world: int = 2) -> list:
 
     ctx = tmp.get_context("forkserver")
     init_file = os.path.join(root, "init")
-    procs = [ctx.Process(target=_kill_worker, args=(r, world, init_file, root, mode, victim))
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_kill_worker, args=(r, world, init_file, root, mode, victim))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + 120
@@ -136,8 +144,13 @@ def _refuse_incomplete(path):
 
 def _inspect_cli(path):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, "-m", "mfsdp_optim.checkpoint", "inspect", path],
-                          capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "mfsdp_optim.checkpoint", "inspect", path],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize("mode,victim", [("after_shard", 1), ("after_metadata", 0)])
@@ -153,8 +166,9 @@ def test_rank_killed_mid_save_keeps_previous_checkpoint(ranks, tmp_path, mode, v
         with open(os.path.join(root, f"outcome{r}.json")) as f:
             outcome = json.load(f)
         assert outcome["error"] is not None, f"rank {r} believed the save succeeded"
-        assert "Nothing was published" in outcome["error"] or "did not reach" in outcome[
-            "error"], outcome
+        assert "Nothing was published" in outcome["error"] or "did not reach" in outcome["error"], (
+            outcome
+        )
         assert outcome["elapsed_s"] < PG_TIMEOUT_S + 20, outcome
         print(f"survivor rank {r}: {outcome['elapsed_s']:.2f}s: {outcome['error'][:200]}")
     step1, step2 = os.path.join(root, "step_1"), os.path.join(root, "step_2")
@@ -174,8 +188,9 @@ def test_rank_killed_mid_save_keeps_previous_checkpoint(ranks, tmp_path, mode, v
     pool = ranks(4)
     for p in (step2, step2 + ".incomplete"):
         msgs = pool.run(_refuse_incomplete, p)
-        assert all(m is not None and "INCOMPLETE" in m and "nothing was loaded" in m
-                   for m in msgs), msgs
+        assert all(
+            m is not None and "INCOMPLETE" in m and "nothing was loaded" in m for m in msgs
+        ), msgs
     # step 1 is intact: inspect says complete, and it loads bit for bit (resharded 2 -> 4 ranks)
     assert checkpoint_status(step1)[0] == "complete"
     assert main(["inspect", step1]) == 0
@@ -298,14 +313,21 @@ def _disagree(root, case):
     if case == "model" and rank == 2:  # rank 2's model has another shape for one param
         v = sd["state"]["layers.0.weight"]["exp_avg"]
         sd["state"]["layers.0.weight"]["exp_avg"] = DTensor.from_local(
-            torch.zeros(v._local_tensor.shape[0], 9), v.device_mesh, v.placements,
-            run_check=False, shape=(10, 9), stride=(9, 1))
+            torch.zeros(v._local_tensor.shape[0], 9),
+            v.device_mesh,
+            v.placements,
+            run_check=False,
+            shape=(10, 9),
+            stride=(9, 1),
+        )
     if case == "extra_param" and rank == 3:  # rank 3's model has a param the others lack
         sd["state"]["extra.weight"] = dict(sd["state"]["layers.0.weight"])
     if case == "scalar" and rank == 1:  # rank 1 is one step ahead: DCP would keep one 'step'
         hyper, scalars = sd["param_to_group_meta"]["layers.0.bias"]
-        sd["param_to_group_meta"]["layers.0.bias"] = (hyper, tuple(
-            (k, v + 1 if k == "step" else v, dt) for k, v, dt in scalars))
+        sd["param_to_group_meta"]["layers.0.bias"] = (
+            hyper,
+            tuple((k, v + 1 if k == "step" else v, dt) for k, v, dt in scalars),
+        )
     t0 = time.monotonic()
     try:
         save_checkpoint({"optimizer": sd}, os.path.join(root, case))
@@ -387,15 +409,29 @@ def test_malicious_metadata_is_never_unpickled(tmp_path):
 
     sentinel = str(tmp_path / "pwned")
     path = str(tmp_path / "ckpt")
-    save_checkpoint({"optimizer": {"state": {"a": {"exp_avg": torch.ones(3)}},
-                                   "param_to_group_meta": {"a": {"lr": 0.1}}}}, path)
+    save_checkpoint(
+        {
+            "optimizer": {
+                "state": {"a": {"exp_avg": torch.ones(3)}},
+                "param_to_group_meta": {"a": {"lr": 0.1}},
+            }
+        },
+        path,
+    )
     _plant_metadata(path, sentinel)
     # our marker knows the metadata changed: refused before any unpickling
     with pytest.raises(CorruptCheckpointError, match="not the file this save wrote"):
         check_checkpoint(path)
     with pytest.raises(CorruptCheckpointError, match="not the file this save wrote"):
-        load_checkpoint({"optimizer": {"state": {"a": {"exp_avg": torch.zeros(3)}},
-                                       "param_to_group_meta": {"a": {"lr": 0.0}}}}, path)
+        load_checkpoint(
+            {
+                "optimizer": {
+                    "state": {"a": {"exp_avg": torch.zeros(3)}},
+                    "param_to_group_meta": {"a": {"lr": 0.0}},
+                }
+            },
+            path,
+        )
     # without the marker (a plain DCP directory), the allow-list refuses it
     os.remove(os.path.join(path, "mfsdp_complete.json"))
     with pytest.raises(UnsafeCheckpointError, match="refused to unpickle posix.system"):
@@ -404,8 +440,9 @@ def test_malicious_metadata_is_never_unpickled(tmp_path):
         inspect_checkpoint(path)
     assert main(["inspect", path]) == 2
     with pytest.raises(UnsafeCheckpointError):
-        load_checkpoint({"optimizer": {"state": {"a": {"exp_avg": torch.zeros(3)}}}}, path,
-                        require_marker=False)
+        load_checkpoint(
+            {"optimizer": {"state": {"a": {"exp_avg": torch.zeros(3)}}}}, path, require_marker=False
+        )
     assert not os.path.exists(sentinel), "a planted pickle ran code"
     # the control: torch's own reader does run it (why this matters)
     from torch.distributed.checkpoint import FileSystemReader
@@ -428,14 +465,25 @@ def test_malicious_non_tensor_item_is_refused(tmp_path):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save({"optimizer": {"state": {"a": {"exp_avg": torch.ones(3)}},
-                                "param_to_group_meta": {"a": {"lr": _Payload(sentinel)}}}},
-                 checkpoint_id=path, no_dist=True)
+        dcp.save(
+            {
+                "optimizer": {
+                    "state": {"a": {"exp_avg": torch.ones(3)}},
+                    "param_to_group_meta": {"a": {"lr": _Payload(sentinel)}},
+                }
+            },
+            checkpoint_id=path,
+            no_dist=True,
+        )
     assert not os.path.exists(sentinel)  # saving does not run it
     with pytest.raises(UnsafeCheckpointError, match="refused to unpickle .*lr.*posix.system"):
         inspect_checkpoint(path)
-    target = {"optimizer": {"state": {"a": {"exp_avg": torch.zeros(3)}},
-                            "param_to_group_meta": {"a": {"lr": 0.0}}}}
+    target = {
+        "optimizer": {
+            "state": {"a": {"exp_avg": torch.zeros(3)}},
+            "param_to_group_meta": {"a": {"lr": 0.0}},
+        }
+    }
     with pytest.raises(UnsafeCheckpointError, match="refused to unpickle"):
         load_checkpoint(target, path, require_marker=False)
     assert not os.path.exists(sentinel), "a planted pickle ran code"
@@ -450,8 +498,12 @@ def test_malicious_non_tensor_item_is_refused(tmp_path):
 
 
 def test_save_refuses_existing_and_cleans_stale_staging(tmp_path):
-    sd = {"optimizer": {"state": {"a": {"exp_avg": torch.ones(4)}},
-                        "param_to_group_meta": {"a": {"lr": 0.1}}}}
+    sd = {
+        "optimizer": {
+            "state": {"a": {"exp_avg": torch.ones(4)}},
+            "param_to_group_meta": {"a": {"lr": 0.1}},
+        }
+    }
     path = str(tmp_path / "ck")
     os.makedirs(path + ".incomplete")  # what a crashed save left
     open(os.path.join(path + ".incomplete", "__0_0.distcp"), "w").close()
@@ -461,8 +513,12 @@ def test_save_refuses_existing_and_cleans_stale_staging(tmp_path):
         save_checkpoint(sd, path)
     sd["optimizer"]["state"]["a"]["exp_avg"] = torch.full((4,), 2.0)
     save_checkpoint(sd, path, overwrite=True)
-    target = {"optimizer": {"state": {"a": {"exp_avg": torch.zeros(4)}},
-                            "param_to_group_meta": {"a": {"lr": 0.0}}}}
+    target = {
+        "optimizer": {
+            "state": {"a": {"exp_avg": torch.zeros(4)}},
+            "param_to_group_meta": {"a": {"lr": 0.0}},
+        }
+    }
     load_checkpoint(target, path)
     assert torch.equal(target["optimizer"]["state"]["a"]["exp_avg"], torch.full((4,), 2.0))
     assert [n for n in os.listdir(tmp_path) if n != "ck"] == []
@@ -480,10 +536,18 @@ def test_save_refuses_existing_and_cleans_stale_staging(tmp_path):
     load_checkpoint(target, plain, require_marker=False)
     # a foreign checkpoint (another model's keys) and a wrong shape: refused before loading
     with pytest.raises(StateDictMismatchError, match="has no entries for 1 of the 2 keys"):
-        load_checkpoint({"model": {"w": torch.zeros(4)}, "optimizer": {"state": {"a": {
-            "exp_avg": torch.zeros(4)}}}}, path)
-    with pytest.raises(StateDictMismatchError, match=r"holds \[4\] torch.float32, the target is "
-                                                     r"\[5\]"):
+        load_checkpoint(
+            {
+                "model": {"w": torch.zeros(4)},
+                "optimizer": {"state": {"a": {"exp_avg": torch.zeros(4)}}},
+            },
+            path,
+        )
+    with pytest.raises(
+        StateDictMismatchError,
+        match=r"holds \[4\] torch.float32, the target is "
+        r"\[5\]",
+    ):
         load_checkpoint({"optimizer": {"state": {"a": {"exp_avg": torch.zeros(5)}}}}, path)
     with pytest.raises(FileNotFoundError, match="no such checkpoint"):
         load_checkpoint(target, str(tmp_path / "nothing"))

@@ -30,8 +30,10 @@ CATALOGUE = {
     "S12 norm_type differs between ranks": ("StatsArgumentMismatchError", "different norm_type"),
     "S13 int64 grad on one rank, others": ("RankFailedError", "failed on rank 1 "),
     "S14 grads iterable raises on one rank": ("RankFailedError", "KeyError"),
-    "S15 count_zeros differs between ranks": ("StatsArgumentMismatchError",
-                                              "different count_zeros"),
+    "S15 count_zeros differs between ranks": (
+        "StatsArgumentMismatchError",
+        "different count_zeros",
+    ),
     # wrapper
     "W1 not an optimizer": ("TypeError", "must be a torch.optim.Optimizer"),
     "W2 wrapper of a wrapper": ("TypeError", "already a FullyShardedOptimizer"),
@@ -136,8 +138,9 @@ def _cases(root):  # noqa: C901 - one flat list of small cases
 
     def wrapper(**kw):
         lin = torch.nn.Linear(4, 4, bias=False)
-        lin.weight = torch.nn.Parameter(DTensor.from_local(torch.ones(1, 4), mesh, (Shard(0),),
-                                                           run_check=False))
+        lin.weight = torch.nn.Parameter(
+            DTensor.from_local(torch.ones(1, 4), mesh, (Shard(0),), run_check=False)
+        )
         base = torch.optim.Adam(lin.parameters(), lr=kw.pop("lr", 0.01))
         return FullyShardedOptimizer(base, model_chunks=[lin], **kw), lin
 
@@ -150,21 +153,29 @@ def _cases(root):  # noqa: C901 - one flat list of small cases
     def load_bad(mutate):
         m = trained()
         sd = build_sharded_state_dict(m.optimizer, m.records)
-        sd = {"state": {f: dict(e) for f, e in sd["state"].items()},
-              "param_to_group_meta": copy.deepcopy(sd["param_to_group_meta"])}
+        sd = {
+            "state": {f: dict(e) for f, e in sd["state"].items()},
+            "param_to_group_meta": copy.deepcopy(sd["param_to_group_meta"]),
+        }
         mutate(sd)
         load_sharded_state_dict(m.optimizer, m.records, sd)
 
     def other_layout(sd):
         v = sd["state"]["layers.0.weight"]["exp_avg"]
         sd["state"]["layers.0.weight"]["exp_avg"] = DTensor.from_local(
-            torch.zeros(10, 8), v.device_mesh, (Replicate(),), run_check=False)
+            torch.zeros(10, 8), v.device_mesh, (Replicate(),), run_check=False
+        )
 
     def other_shape(sd):
         v = sd["state"]["layers.0.weight"]["exp_avg"]
         sd["state"]["layers.0.weight"]["exp_avg"] = DTensor.from_local(
-            torch.zeros(v._local_tensor.shape[0], 9), v.device_mesh, v.placements,
-            run_check=False, shape=(10, 9), stride=(9, 1))
+            torch.zeros(v._local_tensor.shape[0], 9),
+            v.device_mesh,
+            v.placements,
+            run_check=False,
+            shape=(10, 9),
+            stride=(9, 1),
+        )
 
     def odd_state(value_fn):
         m = trained(1, "adam")
@@ -192,8 +203,11 @@ def _cases(root):  # noqa: C901 - one flat list of small cases
         good = os.path.join(root, "good")
         if not os.path.exists(os.path.join(good, "mfsdp_complete.json")):
             m = trained()
-            save_checkpoint({"optimizer": build_sharded_state_dict(m.optimizer, m.records)}, good,
-                            overwrite=True)
+            save_checkpoint(
+                {"optimizer": build_sharded_state_dict(m.optimizer, m.records)},
+                good,
+                overwrite=True,
+            )
         m = trained(1)
         target = {"optimizer": build_sharded_state_dict(m.optimizer, m.records, is_loading=True)}
         path = os.path.join(root, kind)
@@ -232,8 +246,9 @@ def _cases(root):  # noqa: C901 - one flat list of small cases
         if kind == "model_only":
             save_checkpoint({"model": {"w": torch.ones(3)}}, path)
         if kind == "dtype":
-            target["optimizer"]["state"]["layers.0.weight"]["exp_avg"] = \
-                target["optimizer"]["state"]["layers.0.weight"]["exp_avg"].to(torch.float64)
+            target["optimizer"]["state"]["layers.0.weight"]["exp_avg"] = target["optimizer"][
+                "state"
+            ]["layers.0.weight"]["exp_avg"].to(torch.float64)
             path = good
         if kind == "exists":
             return save_checkpoint(target, good)
@@ -245,8 +260,9 @@ def _cases(root):  # noqa: C901 - one flat list of small cases
             path = os.path.join(root, f"{kind}{rank}")
         if kind == "amsgrad_into_adam":
             m = trained(1, "adam")
-            target = {"optimizer": build_sharded_state_dict(m.optimizer, m.records,
-                                                            is_loading=True)}
+            target = {
+                "optimizer": build_sharded_state_dict(m.optimizer, m.records, is_loading=True)
+            }
             path = good
         if kind == "disagree":
             return save_checkpoint({"x": torch.tensor(float(rank))}, os.path.join(root, kind))
@@ -274,30 +290,38 @@ def _cases(root):  # noqa: C901 - one flat list of small cases
         "S7 max_norm NaN": lambda: stats.clip_grads_with_norm_([g], math.nan, torch.tensor(1.0)),
         "S8 count_replication plain": lambda: stats.count_replication(torch.ones(2)),
         "S9 count_replication Partial": lambda: stats.count_replication(partial),
-        "S10 mesh outside group": lambda: (stats.grad_stats([g], group=pair) if rank < 2 else
-                                           (_ for _ in ()).throw(ValueError(
-                                               "not in the grad-stats group (not a member)"))),
+        "S10 mesh outside group": lambda: (
+            stats.grad_stats([g], group=pair)
+            if rank < 2
+            else (_ for _ in ()).throw(ValueError("not in the grad-stats group (not a member)"))
+        ),
         "S11 bad grad on one rank, others": lambda: one_bad_rank(partial),
         "S12 norm_type differs between ranks": lambda: stats.get_grad_norm(
-            [g], norm_type=math.inf if rank == 3 else 2.0),
+            [g], norm_type=math.inf if rank == 3 else 2.0
+        ),
         "S13 int64 grad on one rank, others": lambda: one_bad_rank(
-            DTensor.from_local(torch.ones(2, dtype=torch.int64), mesh, (Shard(0),),
-                               run_check=False)),
+            DTensor.from_local(torch.ones(2, dtype=torch.int64), mesh, (Shard(0),), run_check=False)
+        ),
         "S14 grads iterable raises on one rank": lambda: stats.grad_stats(
-            raising_grads() if rank == 1 else [g]),
+            raising_grads() if rank == 1 else [g]
+        ),
         "S15 count_zeros differs between ranks": lambda: stats.grad_stats(
-            [g], count_zeros=rank == 0),
+            [g], count_zeros=rank == 0
+        ),
         "W1 not an optimizer": lambda: FullyShardedOptimizer(object()),
         "W2 wrapper of a wrapper": lambda: FullyShardedOptimizer(wrapper()[0]),
         "W3 torch GradScaler": lambda: wrapper(grad_scaler=torch.amp.GradScaler("cpu")),
         "W4 plain tensor params": lambda: FullyShardedOptimizer(
-            torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)),
+            torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+        ),
         "W5 params missing from model_chunks": lambda: FullyShardedOptimizer(
             torch.optim.SGD([torch.nn.Parameter(g.detach().clone())], lr=0.1),
-            model_chunks=[torch.nn.Linear(1, 1)]),
+            model_chunks=[torch.nn.Linear(1, 1)],
+        ),
         "W6 colliding FQNs": lambda: FullyShardedOptimizer(
             torch.optim.SGD([torch.nn.Parameter(g.detach().clone())], lr=0.1),
-            model_chunks=[torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)]),
+            model_chunks=[torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)],
+        ),
         "W7 clip_grad negative": lambda: OptimizerConfig(clip_grad=-1.0),
         "W8 clip_grad NaN": lambda: OptimizerConfig(clip_grad=math.nan),
         "W9 norm_type in config": lambda: OptimizerConfig(norm_type=-2),
@@ -305,11 +329,14 @@ def _cases(root):  # noqa: C901 - one flat list of small cases
         "W11 prepare_grads twice": lambda: _twice(wrapper, mesh),
         "W12 step_with_ready_grads first": lambda: wrapper()[0].step_with_ready_grads(),
         "W13 state_dict() with filter_empty_shards": lambda: wrapper(
-            config=OptimizerConfig(filter_empty_shards=True))[0].state_dict(),
+            config=OptimizerConfig(filter_empty_shards=True)
+        )[0].state_dict(),
         "W14 stats group misses ranks": lambda: wrapper(
-            config=OptimizerConfig(grad_stats_group=pair)),
+            config=OptimizerConfig(grad_stats_group=pair)
+        ),
         "W15 scaler state without scaler": lambda: wrapper()[0].load_grad_scaler_state_dict(
-            {"scale": 2.0}),
+            {"scale": 2.0}
+        ),
         "W17 triton_adam_step not a bool": lambda: OptimizerConfig(triton_adam_step="yes"),
         "G1 initial_scale 0": lambda: DynamicGradScaler(0.0),
         "G2 initial_scale inf": lambda: ConstantGradScaler(math.inf),
@@ -319,33 +346,47 @@ def _cases(root):  # noqa: C901 - one flat list of small cases
         "G6 hysteresis 0": lambda: DynamicGradScaler(hysteresis=0),
         "G7 scaler state missing keys": lambda: DynamicGradScaler().load_state_dict({"scale": 2}),
         "G8 scaler state NaN scale": lambda: ConstantGradScaler(2.0).load_state_dict(
-            {"scale": math.nan}),
+            {"scale": math.nan}
+        ),
         "G9 scale above float32": lambda: ConstantGradScaler(1e39),
         "G10 scale below float32": lambda: ConstantGradScaler(1e-46),
         "G11 initial_scale 2**200": lambda: DynamicGradScaler(2.0**200),
         "G12 hysteresis NaN": lambda: DynamicGradScaler(hysteresis=math.nan),
         "G13 scaler state negative tracker": lambda: DynamicGradScaler().load_state_dict(
-            {"scale": 2.0, "growth_tracker": 0, "hysteresis_tracker": -1}),
+            {"scale": 2.0, "growth_tracker": 0, "hysteresis_tracker": -1}
+        ),
         "G14 scale not a number": lambda: ConstantGradScaler("8"),
         "C1 wrong top-level keys": lambda: load_bad(lambda sd: sd.update(param_groups=[])),
         "C2 mismatched mesh/placements": lambda: load_bad(other_layout),
         "C3 wrong global shape": lambda: load_bad(other_shape),
         "C4 unknown state shape (factored)": lambda: odd_state(
-            lambda r: torch.ones(r.param._local_tensor.shape[0] + 1)),
+            lambda r: torch.ones(r.param._local_tensor.shape[0] + 1)
+        ),
         "C5 DTensor state of another shape": lambda: odd_state(
-            lambda r: DTensor.from_local(torch.ones(1), r.param.device_mesh, (Shard(0),),
-                                         run_check=False, shape=(4,), stride=(1,))),
+            lambda r: DTensor.from_local(
+                torch.ones(1),
+                r.param.device_mesh,
+                (Shard(0),),
+                run_check=False,
+                shape=(4,),
+                stride=(1,),
+            )
+        ),
         "C6 non-plain hyperparameter": lambda: _hyper(trained),
         "C7 state value of unknown type": lambda: odd_state(lambda r: [1, 2]),
-        "C8 ranks hold different state keys": lambda: _build(trained(1, "sgd" if rank == 1
-                                                                    else "adam")),
+        "C8 ranks hold different state keys": lambda: _build(
+            trained(1, "sgd" if rank == 1 else "adam")
+        ),
         "C9 ranks hold different hyperparameters": lambda: _lr_differs(trained, rank),
         "C10 flattened torch state dict": lambda: from_torch_state_dict(
-            {"state": {"state.a.exp_avg": torch.ones(1)}, "param_groups": []}),
+            {"state": {"state.a.exp_avg": torch.ones(1)}, "param_groups": []}
+        ),
         "C11 torch state dict with int ids": lambda: from_torch_state_dict(
-            {"state": {}, "param_groups": [{"lr": 0.1, "params": [0, 1]}]}),
+            {"state": {}, "param_groups": [{"lr": 0.1, "params": [0, 1]}]}
+        ),
         "C12 to_torch_state_dict of another layout": lambda: to_torch_state_dict(
-            {"state": {}, "param_groups": []}),
+            {"state": {}, "param_groups": []}
+        ),
         "C13 Stateful scaler mismatch": stateful_mismatch,
         "D1 foreign checkpoint (model only)": lambda: ckpt_dirs("model_only"),
         "D2 checkpoint dtype differs": lambda: ckpt_dirs("dtype"),
@@ -422,8 +463,11 @@ def outcomes(tmp_path_factory):
 def test_refused(outcomes, case):
     for rank, out in enumerate(outcomes):
         cls, words = CATALOGUE[case]
-        own = {"S11": ("ValueError", "Partial placement"), "S13": ("RuntimeError", "Long"),
-               "S14": ("KeyError", "layers.7.weight")}
+        own = {
+            "S11": ("ValueError", "Partial placement"),
+            "S13": ("RuntimeError", "Long"),
+            "S14": ("KeyError", "layers.7.weight"),
+        }
         if case[:3] in own and rank == 1:  # the rank that passed the bad input: its own error
             cls, words = own[case[:3]]
         got = out[case]

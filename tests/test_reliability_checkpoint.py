@@ -64,8 +64,9 @@ def _rank_save_names(root):
     # each rank its own name (e.g. a per-rank timestamp in the path)
     out["per_rank"] = _timed(lambda: save_checkpoint(sd, os.path.join(root, f"step_r{rank}")))
     # one rank differs
-    out["one_differs"] = _timed(lambda: save_checkpoint(
-        sd, os.path.join(root, "odd" if rank == 3 else "even")))
+    out["one_differs"] = _timed(
+        lambda: save_checkpoint(sd, os.path.join(root, "odd" if rank == 3 else "even"))
+    )
     out["staging_name"] = _timed(lambda: save_checkpoint(sd, os.path.join(root, "a.incomplete")))
     out["old_name"] = _timed(lambda: save_checkpoint(sd, os.path.join(root, "a.old-0123abcd")))
     dist.barrier()
@@ -108,8 +109,9 @@ def _rank_load_refusals(root):
     live = _trained("adamw", steps=1, lr_scale=2.0)  # amsgrad=False
 
     def load(path, strict=True, **kw):
-        target = {"optimizer": build_sharded_state_dict(live.optimizer, live.records,
-                                                        is_loading=True)}
+        target = {
+            "optimizer": build_sharded_state_dict(live.optimizer, live.records, is_loading=True)
+        }
         load_checkpoint(target, path, strict=strict, **kw)
         return target
 
@@ -169,16 +171,22 @@ def _rank_damaged_items(root):
                 it = next(i for i in items if ".param_to_group_meta." in i["key"])
                 _flip(path, it["file"], it["start"] + it["length"] // 2)
             else:  # the pickle of rank 3's exp_avg chunk: DCP has copied others when it fails
-                it = max((i for i in items if i["key"].endswith("layers.0.weight.exp_avg")),
-                         key=lambda i: (i["file"], i["start"]))
+                it = max(
+                    (i for i in items if i["key"].endswith("layers.0.weight.exp_avg")),
+                    key=lambda i: (i["file"], i["start"]),
+                )
                 _flip(path, it["file"], it["start"] + 1)
         dist.barrier()
-        target = {"optimizer": build_sharded_state_dict(live.optimizer, live.records,
-                                                        is_loading=True)}
+        target = {
+            "optimizer": build_sharded_state_dict(live.optimizer, live.records, is_loading=True)
+        }
         before = _snap(live)
         kw = {} if case == "non_tensor_crc" else {"verify_checksums": False}
-        out[case] = _timed(lambda: load_checkpoint(  # noqa: B023 - called at once
-            target, path, in_place=case.endswith("in_place"), **kw))  # noqa: B023
+        out[case] = _timed(
+            lambda target=target, path=path, case=case, kw=kw: load_checkpoint(
+                target, path, in_place=case.endswith("in_place"), **kw
+            )
+        )
         out[case + "/untouched"] = same(_snap(live), before)
         dist.barrier()
     return out
@@ -199,7 +207,8 @@ def test_damaged_items_are_refused_with_state_bit_for_bit_unchanged(ranks, tmp_p
         # the control: in_place=True (no staging copies) does change the live state
         assert "partly loaded" in res["no_verify_tensor_in_place"][1]
     assert not all(res["no_verify_tensor_in_place/untouched"] for res in out), (
-        "the control did not change the state: the staging test above proves nothing")
+        "the control did not change the state: the staging test above proves nothing"
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -262,22 +271,38 @@ POINTS = {  # kill point: the value the name must load afterwards
 def test_overwrite_killed_anywhere_leaves_a_whole_checkpoint(tmp_path, point):
     path = str(tmp_path / "ckpt")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    r = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, path, point], capture_output=True,
-                       text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", _KILL_SCRIPT, path, point],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     if point == "none":
         assert r.returncode == 0 and "finished" in r.stdout, r.stderr
     else:
         assert r.returncode == -signal.SIGKILL, (r.returncode, r.stderr[-2000:])
     status, msg = checkpoint_status(path)
     assert status == "complete", msg
-    target = {"optimizer": {"state": {"w": {"exp_avg": torch.zeros(64)}},
-                            "param_to_group_meta": {"w": {"lr": 0.0}}}}
+    target = {
+        "optimizer": {
+            "state": {"w": {"exp_avg": torch.zeros(64)}},
+            "param_to_group_meta": {"w": {"lr": 0.0}},
+        }
+    }
     load_checkpoint(target, path)
     want = POINTS[point]
     assert torch.equal(target["optimizer"]["state"]["w"]["exp_avg"], torch.full((64,), want))
     assert target["optimizer"]["param_to_group_meta"]["w"]["lr"] == want
     # the next save over the name works and cleans what the crash left
-    save_checkpoint({"optimizer": {"state": {"w": {"exp_avg": torch.full((64,), 3.0)}},
-                                   "param_to_group_meta": {"w": {"lr": 3.0}}}}, path,
-                    overwrite=True)
+    save_checkpoint(
+        {
+            "optimizer": {
+                "state": {"w": {"exp_avg": torch.full((64,), 3.0)}},
+                "param_to_group_meta": {"w": {"lr": 3.0}},
+            }
+        },
+        path,
+        overwrite=True,
+    )
     assert sorted(os.listdir(tmp_path)) == ["ckpt"], os.listdir(tmp_path)

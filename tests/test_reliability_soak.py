@@ -19,8 +19,9 @@ import torch
 
 STEPS = int(os.environ.get("MFSDP_SOAK_STEPS", "300"))
 SHAPES = [(16, 8), (16,), (5, 3), (3,)]  # uneven; (3,) is empty on shard coordinate 1
-SCALER = dict(initial_scale=2.0**12, growth_interval=8, hysteresis=2, backoff_factor=0.5,
-              min_scale=1.0)
+SCALER = dict(
+    initial_scale=2.0**12, growth_interval=8, hysteresis=2, backoff_factor=0.5, min_scale=1.0
+)
 P_INJECT = 0.08
 
 
@@ -48,23 +49,34 @@ def _soak(steps: int):
     placements = (Replicate(), Shard(0))
 
     def local_of(full):
-        return torch.chunk(full, 2, dim=0)[coord] if coord < len(torch.chunk(full, 2, dim=0)) \
+        return (
+            torch.chunk(full, 2, dim=0)[coord]
+            if coord < len(torch.chunk(full, 2, dim=0))
             else full[0:0]
+        )
 
     def dtensor(full):
-        return DTensor.from_local(local_of(full).clone(), mesh, placements, run_check=False,
-                                  shape=full.shape, stride=full.stride())
+        return DTensor.from_local(
+            local_of(full).clone(),
+            mesh,
+            placements,
+            run_check=False,
+            shape=full.shape,
+            stride=full.stride(),
+        )
 
     gen = torch.Generator().manual_seed(7)
     model = torch.nn.Module()
     for i, shape in enumerate(SHAPES):
-        model.register_parameter(f"p{i}", torch.nn.Parameter(dtensor(torch.randn(shape,
-                                                                                 generator=gen))))
+        model.register_parameter(
+            f"p{i}", torch.nn.Parameter(dtensor(torch.randn(shape, generator=gen)))
+        )
     params = list(model.parameters())
     base = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
     scaler = DynamicGradScaler(**SCALER)
-    opt = FullyShardedOptimizer(base, OptimizerConfig(clip_grad=1.0), grad_scaler=scaler,
-                                model_chunks=[model])
+    opt = FullyShardedOptimizer(
+        base, OptimizerConfig(clip_grad=1.0), grad_scaler=scaler, model_chunks=[model]
+    )
     plan = schedule(steps)
     rep_group = mesh.get_group("replicate")
 
@@ -125,6 +137,8 @@ def test_soak_hsdp_nan_injection(ranks):
         assert scales == want_scales, f"rank {rank}: scale trajectory differs from simulation"
         assert all(checks) and len(checks) == STEPS // 100 + 1, f"replicas diverged: {checks}"
         assert finite, f"rank {rank} params are not finite"
-    print(f"soak: {STEPS} steps, {len(want_skips)} injected/skipped, scale range "
-          f"[{min(want_scales):g}, {max(want_scales):g}], {max(o[4] for o in out):.1f}s on the "
-          "slowest rank")
+    print(
+        f"soak: {STEPS} steps, {len(want_skips)} injected/skipped, scale range "
+        f"[{min(want_scales):g}, {max(want_scales):g}], {max(o[4] for o in out):.1f}s on the "
+        "slowest rank"
+    )

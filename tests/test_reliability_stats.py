@@ -64,9 +64,14 @@ def _call(kind, rank):
     if kind == "count_zeros_str":
         return stats.grad_stats(_good(), count_zeros="yes" if bad else False)
     if kind == "wrapper_error":  # what the wrapper passes: its own prepare loop's exception
-        buckets = (AttributeError("'Tensor' object has no attribute '_local_tensor' "
-                                  "(param 'w': a plain-tensor .grad on a DTensor param)")
-                   if bad else bucket_local_shards(_good(), None))
+        buckets = (
+            AttributeError(
+                "'Tensor' object has no attribute '_local_tensor' "
+                "(param 'w': a plain-tensor .grad on a DTensor param)"
+            )
+            if bad
+            else bucket_local_shards(_good(), None)
+        )
         return _reduce.reduce_buckets(buckets, norm_type=2.0, count_zeros=False, group=None)
     if kind == "two_fail":  # ranks 1 and 2 fail differently
         if rank == 1:
@@ -81,7 +86,7 @@ def _call(kind, rank):
     if kind == "count_zeros_differs":
         return stats.grad_stats(_good(), count_zeros=bad)
     if kind == "get_grad_norm_vs_count_zeros":
-        return (stats.count_zeros(_good()) if bad else stats.get_grad_norm(_good()))
+        return stats.count_zeros(_good()) if bad else stats.get_grad_norm(_good())
     raise AssertionError(kind)
 
 
@@ -91,8 +96,12 @@ def _rank_case(kind):
     try:
         _call(kind, rank)
     except Exception as exc:  # the failing rank stays alive: caught and "logged"
-        outcome = (type(exc).__name__, str(exc), time.monotonic() - t0,
-                   getattr(exc, "failures", None))
+        outcome = (
+            type(exc).__name__,
+            str(exc),
+            time.monotonic() - t0,
+            getattr(exc, "failures", None),
+        )
     else:
         outcome = None
     # still in step: a healthy call on every rank gives the right global norm
@@ -214,8 +223,9 @@ def test_one_collective_when_healthy_two_when_a_rank_failed(ranks):
     pool = ranks(4)
     for kind in ("healthy", "healthy_inf"):
         assert pool.run(_rank_count_collectives, kind) == [[("all_gather", 7)]] * 4, kind
-    assert pool.run(_rank_count_collectives, "fail") == [
-        [("all_gather", 7), ("all_gather", 2048)]] * 4
+    assert (
+        pool.run(_rank_count_collectives, "fail") == [[("all_gather", 7), ("all_gather", 2048)]] * 4
+    )
 
 
 def _rank_device_only():
@@ -224,17 +234,22 @@ def _rank_device_only():
     from mfsdp_optim._buckets import bucket_local_shards
 
     rank = dist.get_rank()
-    buckets = (RuntimeError("boom") if rank == BAD else bucket_local_shards(_good(), None))
+    buckets = RuntimeError("boom") if rank == BAD else bucket_local_shards(_good(), None)
     try:
-        st = _reduce.reduce_buckets(buckets, norm_type=2.0, count_zeros=False, group=None,
-                                    host_sync=False)
+        st = _reduce.reduce_buckets(
+            buckets, norm_type=2.0, count_zeros=False, group=None, host_sync=False
+        )
     except RuntimeError as exc:
         res = ("raised", str(exc))
     else:
         res = ("ok", math.isnan(float(st.total_norm)), bool(st.found_inf))
-    mismatch = _reduce.reduce_buckets(bucket_local_shards(_good(), None),
-                                      norm_type=1.0 if rank == BAD else 2.0,
-                                      count_zeros=False, group=None, host_sync=False)
+    mismatch = _reduce.reduce_buckets(
+        bucket_local_shards(_good(), None),
+        norm_type=1.0 if rank == BAD else 2.0,
+        count_zeros=False,
+        group=None,
+        host_sync=False,
+    )
     return res, (math.isnan(float(mismatch.total_norm)), bool(mismatch.found_inf))
 
 

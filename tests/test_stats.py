@@ -31,8 +31,18 @@ import mfsdp_optim
 from mfsdp_optim import clip_grads_with_norm_, count_replication, count_zeros, get_grad_norm
 
 NORM_TYPES = [0.5, 1.0, 2.0, 3.0, math.inf]
-_COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "all_gather", "all_gather_object",
-                "broadcast", "reduce_scatter_tensor", "barrier", "reduce", "all_to_all_single")
+_COLLECTIVES = (
+    "all_reduce",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather",
+    "all_gather_object",
+    "broadcast",
+    "reduce_scatter_tensor",
+    "barrier",
+    "reduce",
+    "all_to_all_single",
+)
 
 
 @contextmanager
@@ -45,6 +55,7 @@ def count_collectives():
         def counted(*args, **kwargs):
             counts[name] = counts.get(name, 0) + 1
             return fn(*args, **kwargs)
+
         return counted
 
     for name, fn in saved.items():
@@ -150,12 +161,12 @@ def _rank_count_replication():
         "strided": [_StridedShard(0, split_factor=2), Shard(0)],
     }.items():
         out[name] = count_replication(
-            DTensor.from_local(torch.ones(2, 2), mesh, placements, run_check=False))
+            DTensor.from_local(torch.ones(2, 2), mesh, placements, run_check=False)
+        )
     errors = {}
     for name, bad in {
         "plain": torch.ones(2),
-        "partial": DTensor.from_local(torch.ones(2), mesh, [Partial(), Shard(0)],
-                                      run_check=False),
+        "partial": DTensor.from_local(torch.ones(2), mesh, [Partial(), Shard(0)], run_check=False),
     }.items():
         try:
             count_replication(bad)
@@ -291,8 +302,10 @@ def test_clip_matches_torch_on_the_global_tensors(ranks, case, max_norm):
         if not before:
             continue
         # torch's own clip on the global tensors this rank sees
-        reference = [torch.nn.Parameter(torch.zeros_like(b, dtype=DTYPES[s.dtype]))
-                     for b, s in zip(before, specs)]
+        reference = [
+            torch.nn.Parameter(torch.zeros_like(b, dtype=DTYPES[s.dtype]))
+            for b, s in zip(before, specs)
+        ]
         for ref, b, s in zip(reference, before, specs):
             ref.grad = b.to(DTYPES[s.dtype])  # the same dtype the sharded grads have
         torch.nn.utils.clip_grads_with_norm_(reference, max_norm, torch.tensor(norm))
@@ -304,8 +317,7 @@ def test_clip_matches_torch_on_the_global_tensors(ranks, case, max_norm):
 
 def test_zero_count_exact_past_float32_integers(ranks):
     n = 2**24 + 5  # zeros; float32 counters would round this
-    spec = GradSpec((n,), (2,), (0,), (PlacementSpec("S", 0),), zero_fraction=1.0,
-                    dtype="bfloat16")
+    spec = GradSpec((n,), (2,), (0,), (PlacementSpec("S", 0),), zero_fraction=1.0, dtype="bfloat16")
     results = ranks(2).run(_rank_count_zeros, [spec])
     assert results == [n, n]
 

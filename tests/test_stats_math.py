@@ -43,15 +43,23 @@ def _simulate(spec, norm_type):
         replicated = [d for d, p in enumerate(spec.placements) if p.kind == "R"]
         replication = math.prod(spec.mesh_shape[d] for d in replicated)
         canonical = all(coord[d] == 0 for d in replicated)
-        rows.append(shard_contribution([local], norm_type=norm_type, replication=replication,
-                                       canonical=canonical, count_zeros=True))
+        rows.append(
+            shard_contribution(
+                [local],
+                norm_type=norm_type,
+                replication=replication,
+                canonical=canonical,
+                count_zeros=True,
+            )
+        )
     rows.append(empty_contribution(torch.device("cpu")))
     return g, combine_contributions(torch.stack(rows), norm_type)
 
 
 @settings(max_examples=200)
-@given(data=st.data(), world=st.sampled_from([1, 2, 3, 4, 6, 8]),
-       norm_type=st.sampled_from(NORM_TYPES))
+@given(
+    data=st.data(), world=st.sampled_from([1, 2, 3, 4, 6, 8]), norm_type=st.sampled_from(NORM_TYPES)
+)
 def test_simulated_ranks_match_brute_force(data, world, norm_type):
     spec = data.draw(grad_specs(world, allow_stripes=False))
     g, total = _simulate(spec, norm_type)
@@ -69,8 +77,9 @@ def test_nonfinite_is_flagged_and_poisons_the_norm(norm_type):
     clean = torch.ones(5)
     for bad in (math.nan, math.inf, -math.inf):
         dirty = torch.tensor([1.0, bad, 0.0])
-        row = shard_contribution([clean, dirty], norm_type=norm_type, replication=2,
-                                 canonical=True, count_zeros=True)
+        row = shard_contribution(
+            [clean, dirty], norm_type=norm_type, replication=2, canonical=True, count_zeros=True
+        )
         assert row[NONFINITE_SLOT] == 1
         assert not torch.isfinite(row[NORM_SLOT])
         assert row[ZEROS_SLOT] == 1  # NaN and inf are not zeros
@@ -78,25 +87,31 @@ def test_nonfinite_is_flagged_and_poisons_the_norm(norm_type):
 
 def test_float64_accumulation_survives_float32_overflow():
     huge = torch.full((16,), 1e30)  # squares overflow float32, not float64
-    row = shard_contribution([huge], norm_type=2.0, replication=1, canonical=True,
-                             count_zeros=False)
+    row = shard_contribution(
+        [huge], norm_type=2.0, replication=1, canonical=True, count_zeros=False
+    )
     assert row[NONFINITE_SLOT] == 0
     assert finish_norm(row[NORM_SLOT], 2.0).item() == pytest.approx(4e30, rel=1e-6)
 
 
 def test_zero_count_is_exact_past_float32_integers():
     n = 2**24 + 3  # float32 cannot hold this count; the core must
-    row = shard_contribution([torch.zeros(n, dtype=torch.bfloat16)], norm_type=2.0,
-                             replication=1, canonical=True, count_zeros=True)
+    row = shard_contribution(
+        [torch.zeros(n, dtype=torch.bfloat16)],
+        norm_type=2.0,
+        replication=1,
+        canonical=True,
+        count_zeros=True,
+    )
     assert int(row[ZEROS_SLOT].item()) == n
 
 
 def test_replicas_count_norm_share_and_no_zeros():
     t = torch.tensor([3.0, 0.0, 4.0])
-    canon = shard_contribution([t], norm_type=2.0, replication=4, canonical=True,
-                               count_zeros=True)
-    replica = shard_contribution([t], norm_type=2.0, replication=4, canonical=False,
-                                 count_zeros=True)
+    canon = shard_contribution([t], norm_type=2.0, replication=4, canonical=True, count_zeros=True)
+    replica = shard_contribution(
+        [t], norm_type=2.0, replication=4, canonical=False, count_zeros=True
+    )
     assert canon[NORM_SLOT].item() == pytest.approx(25 / 4)
     assert replica[NORM_SLOT].item() == pytest.approx(25 / 4)
     assert (canon[ZEROS_SLOT].item(), replica[ZEROS_SLOT].item()) == (1, 0)
@@ -111,11 +126,15 @@ def test_inf_norm_combines_by_max():
 
 def test_empty_tensors_add_nothing_and_no_tensors_is_refused():
     with pytest.raises(ValueError, match="at least one tensor"):
-        shard_contribution([], norm_type=2.0, replication=1, canonical=True,
-                           count_zeros=False)
+        shard_contribution([], norm_type=2.0, replication=1, canonical=True, count_zeros=False)
     for p in NORM_TYPES:  # empty tensors add nothing
-        row = shard_contribution([torch.zeros(0), torch.zeros(0, 3)], norm_type=p,
-                                 replication=1, canonical=True, count_zeros=True)
+        row = shard_contribution(
+            [torch.zeros(0), torch.zeros(0, 3)],
+            norm_type=p,
+            replication=1,
+            canonical=True,
+            count_zeros=True,
+        )
         assert row.tolist() == [0.0, 0.0, 0.0]
 
 

@@ -43,13 +43,16 @@ def _pair(cls, kw, filt: bool):
 
     def groups(m):  # two groups, as torchtitan builds them (decay / no decay)
         named = list(m.named_parameters())
-        return [{"params": [p for n, p in named if n.endswith("weight")]},
-                {"params": [p for n, p in named if n.endswith("bias")], "lr": kw["lr"] / 2}]
+        return [
+            {"params": [p for n, p in named if n.endswith("weight")]},
+            {"params": [p for n, p in named if n.endswith("bias")], "lr": kw["lr"] / 2},
+        ]
 
     stock = cls(groups(stock_model), **kw)
     base = cls(groups(model), **kw)
-    wrapper = FullyShardedOptimizer(base, OptimizerConfig(filter_empty_shards=filt),
-                                    model_chunks=[model])
+    wrapper = FullyShardedOptimizer(
+        base, OptimizerConfig(filter_empty_shards=filt), model_chunks=[model]
+    )
     return stock_model, stock, model, base, wrapper
 
 
@@ -66,13 +69,19 @@ def _same_tensor(a, b) -> bool:
     from torch.distributed.tensor import DTensor
 
     if isinstance(a, DTensor) or isinstance(b, DTensor):
-        return (isinstance(a, DTensor) and isinstance(b, DTensor)
-                and a.device_mesh == b.device_mesh and a.placements == b.placements
-                and a.shape == b.shape and a.dtype == b.dtype
-                and torch.equal(a._local_tensor, b._local_tensor))
+        return (
+            isinstance(a, DTensor)
+            and isinstance(b, DTensor)
+            and a.device_mesh == b.device_mesh
+            and a.placements == b.placements
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and torch.equal(a._local_tensor, b._local_tensor)
+        )
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (type(a) is type(b) and a.device == b.device and a.dtype == b.dtype
-                and torch.equal(a, b))
+        return (
+            type(a) is type(b) and a.device == b.device and a.dtype == b.dtype and torch.equal(a, b)
+        )
     return a == b
 
 
@@ -81,10 +90,15 @@ def _check_stock(stock_model, stock, model, base, filt: bool) -> None:
     names = [n for n, _ in model.named_parameters()]
     ours, theirs = dict(model.named_parameters()), dict(stock_model.named_parameters())
     assert [p for g in base.param_groups for p in g["params"]] == [
-        p for g in [{"params": [ours[n] for n in names if n.endswith(s)]}
-                    for s in ("weight", "bias")] for p in g["params"]], "param lists changed"
-    assert all(isinstance(p, type(next(model.parameters()))) for g in base.param_groups
-               for p in g["params"])
+        p
+        for g in [{"params": [ours[n] for n in names if n.endswith(s)]} for s in ("weight", "bias")]
+        for p in g["params"]
+    ], "param lists changed"
+    assert all(
+        isinstance(p, type(next(model.parameters())))
+        for g in base.param_groups
+        for p in g["params"]
+    )
     assert set(base.state) <= set(ours.values()), "state keyed by something else"
     for n in names:
         p, q = ours[n], theirs[n]
@@ -134,12 +148,15 @@ def _rank_transparent(name: str, filt: bool, ckpt_dir: str):
     stock_model, stock, model, base, wrapper = _pair(cls, kw, filt)
     calls = {"global_pre": 0, "global_post": 0, "wrapper": 0, "base": 0}
     handles = [
-        register_optimizer_step_pre_hook(lambda *a: calls.__setitem__(
-            "global_pre", calls["global_pre"] + 1)),
-        register_optimizer_step_post_hook(lambda *a: calls.__setitem__(
-            "global_post", calls["global_post"] + 1)),
-        wrapper.register_step_post_hook(lambda *a: calls.__setitem__(
-            "wrapper", calls["wrapper"] + 1)),
+        register_optimizer_step_pre_hook(
+            lambda *a: calls.__setitem__("global_pre", calls["global_pre"] + 1)
+        ),
+        register_optimizer_step_post_hook(
+            lambda *a: calls.__setitem__("global_post", calls["global_post"] + 1)
+        ),
+        wrapper.register_step_post_hook(
+            lambda *a: calls.__setitem__("wrapper", calls["wrapper"] + 1)
+        ),
     ]
     try:
         for step in range(3):
@@ -149,8 +166,9 @@ def _rank_transparent(name: str, filt: bool, ckpt_dir: str):
         stock_calls = dict(calls)
         assert stock_calls == {"global_pre": 6, "global_post": 6, "wrapper": 3, "base": 0}, calls
         # the base optimizer's own hooks fire whenever its step runs (once per wrapper step)
-        handles.append(base.register_step_post_hook(lambda *a: calls.__setitem__(
-            "base", calls["base"] + 1)))
+        handles.append(
+            base.register_step_post_hook(lambda *a: calls.__setitem__("base", calls["base"] + 1))
+        )
         _train(stock_model, stock, 1, start=3)
         _train(model, wrapper, 1, start=3)
         _check_stock(stock_model, stock, model, base, filt)
@@ -198,9 +216,9 @@ def _rank_transparent(name: str, filt: bool, ckpt_dir: str):
         dcp.load({"optimizer": osd}, checkpoint_id=path)
         set_optimizer_state_dict(m, o, osd)
     with torch.no_grad():  # the params come from the trained models, as a model checkpoint would
-        for (_, p), (_, q), (_, r) in zip(model2.named_parameters(),
-                                          stock_model2.named_parameters(),
-                                          model.named_parameters()):
+        for (_, p), (_, q), (_, r) in zip(
+            model2.named_parameters(), stock_model2.named_parameters(), model.named_parameters()
+        ):
             p._local_tensor.copy_(r._local_tensor)
             q._local_tensor.copy_(r._local_tensor)
     # the wrapped state equals what stock torch loaded, and the next steps match too
@@ -267,8 +285,9 @@ def _rank_compiled_fqns():
     _shard(model, get_mesh((dist.get_world_size(),)))
     compiled = torch.compile(model)  # never called: only its names matter here
     assert all(n.startswith("_orig_mod.") for n, _ in compiled.named_parameters())
-    opt = FullyShardedOptimizer(torch.optim.Adam(compiled.parameters(), lr=0.01),
-                                model_chunks=[compiled])
+    opt = FullyShardedOptimizer(
+        torch.optim.Adam(compiled.parameters(), lr=0.01), model_chunks=[compiled]
+    )
     _train(compiled, opt, 1)
     ours = sorted(opt.sharded_state_dict()["state"])
     stock = sorted(get_optimizer_state_dict(compiled, opt)["state"])
@@ -284,8 +303,10 @@ def test_checkpoint_attribute_is_lazy():
     import subprocess
     import sys
 
-    code = ("import sys, mfsdp_optim\n"
-            "assert 'mfsdp_optim.checkpoint' not in sys.modules\n"
-            "assert callable(mfsdp_optim.checkpoint.save_checkpoint)\n")
+    code = (
+        "import sys, mfsdp_optim\n"
+        "assert 'mfsdp_optim.checkpoint' not in sys.modules\n"
+        "assert callable(mfsdp_optim.checkpoint.save_checkpoint)\n"
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     subprocess.run([sys.executable, "-c", code], check=True, env=env)

@@ -48,8 +48,15 @@ def _clone(xs):
 
 
 def _group(adamw, maximize, wd):
-    return dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd, amsgrad=False,
-                maximize=maximize, decoupled_weight_decay=adamw)
+    return dict(
+        lr=1e-2,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=wd,
+        amsgrad=False,
+        maximize=maximize,
+        decoupled_weight_decay=adamw,
+    )
 
 
 def _adam_fp64(group, p, g, m, v, step, divisor):
@@ -78,8 +85,11 @@ def _small_tensors_too(monkeypatch):
     monkeypatch.setattr(_triton_adam, "_MIN_MEAN_NUMEL", 0)
 
 
-CASES = list(itertools.product((torch.float32, torch.bfloat16), (True, False), (False, True),
-                               (0.0, 0.1), (False, True)))
+CASES = list(
+    itertools.product(
+        (torch.float32, torch.bfloat16), (True, False), (False, True), (0.0, 0.1), (False, True)
+    )
+)
 
 
 @cuda
@@ -96,9 +106,23 @@ def test_matches_torch_fused(dtype, adamw, maximize, wd, with_divisor):
 
     def torch_step(divisor):
         torch._foreach_add_(rs, 1)
-        fn(rp, _clone(rg), rm, rv, [], rs, amsgrad=False, lr=group["lr"], beta1=0.9,
-           beta2=0.999, weight_decay=wd, eps=1e-8, maximize=maximize, grad_scale=divisor,
-           found_inf=None)
+        fn(
+            rp,
+            _clone(rg),
+            rm,
+            rv,
+            [],
+            rs,
+            amsgrad=False,
+            lr=group["lr"],
+            beta1=0.9,
+            beta2=0.999,
+            weight_decay=wd,
+            eps=1e-8,
+            maximize=maximize,
+            grad_scale=divisor,
+            found_inf=None,
+        )
 
     for step in range(3):
         divisor = torch.tensor(2.5 + step, device="cuda") if with_divisor else None
@@ -117,8 +141,10 @@ def test_matches_torch_fused(dtype, adamw, maximize, wd, with_divisor):
     for dst, src in ((rp, p), (rm, m), (rv, v)):
         torch._foreach_copy_(dst, src)
     divisor = torch.tensor(7.0, device="cuda") if with_divisor else None
-    ref = [_adam_fp64(group, p[i], g[i], m[i], v[i], float(s[i]) + 1, divisor)
-           for i in range(len(SHAPES))]
+    ref = [
+        _adam_fp64(group, p[i], g[i], m[i], v[i], float(s[i]) + 1, divisor)
+        for i in range(len(SHAPES))
+    ]
     assert tri.step(group, p, g, m, v, s, divisor)
     torch_step(divisor)
     for i in range(len(SHAPES)):
@@ -141,11 +167,29 @@ def test_misaligned_and_many_tensors():
     rp, rm, rv, rs = _clone(p), _clone(m), _clone(v), _clone(s)
     assert tri.step(group, p, g, m, v, s, None)
     torch._foreach_add_(rs, 1)
-    torch._fused_adamw_(rp, _clone(g), rm, rv, [], rs, amsgrad=False, lr=1e-2, beta1=0.9,
-                        beta2=0.999, weight_decay=0.1, eps=1e-8, maximize=False,
-                        grad_scale=None, found_inf=None)
-    torch.testing.assert_close(torch.cat([x.flatten() for x in p]),
-                               torch.cat([x.flatten() for x in rp]), rtol=1e-5, atol=1e-6)
+    torch._fused_adamw_(
+        rp,
+        _clone(g),
+        rm,
+        rv,
+        [],
+        rs,
+        amsgrad=False,
+        lr=1e-2,
+        beta1=0.9,
+        beta2=0.999,
+        weight_decay=0.1,
+        eps=1e-8,
+        maximize=False,
+        grad_scale=None,
+        found_inf=None,
+    )
+    torch.testing.assert_close(
+        torch.cat([x.flatten() for x in p]),
+        torch.cat([x.flatten() for x in rp]),
+        rtol=1e-5,
+        atol=1e-6,
+    )
     assert all(torch.equal(a, b) for a, b in zip(s, rs))
 
 
@@ -161,8 +205,15 @@ def test_declines_what_it_does_not_take():
     g_t = [x.t() if x.dim() == 2 else x for x in g]  # non-contiguous grads
     assert not tri.step(group, p, g_t, m, v, s, None)
     cpu = [x.cpu() for x in p]
-    assert not tri.step(group, cpu, [x.cpu() for x in g], [x.cpu() for x in m],
-                        [x.cpu() for x in v], [x.cpu() for x in s], None)
+    assert not tri.step(
+        group,
+        cpu,
+        [x.cpu() for x in g],
+        [x.cpu() for x in m],
+        [x.cpu() for x in v],
+        [x.cpu() for x in s],
+        None,
+    )
     assert tri.launches == 0
 
 
@@ -187,12 +238,15 @@ def _wrapper_run(triton: bool):
     mesh = init_device_mesh("cuda", (1,))
     gen = torch.Generator().manual_seed(0)
     init = [torch.randn(s, generator=gen).cuda() for s in SHAPES]
-    params = [torch.nn.Parameter(DTensor.from_local(t.clone(), mesh, [Shard(0)],
-                                                    run_check=False)) for t in init]
+    params = [
+        torch.nn.Parameter(DTensor.from_local(t.clone(), mesh, [Shard(0)], run_check=False))
+        for t in init
+    ]
     ref = [torch.nn.Parameter(t.clone()) for t in init]
     kw = dict(lr=1e-2, weight_decay=0.1, fused=True)
-    opt = FullyShardedOptimizer(torch.optim.AdamW(params, **kw),
-                                OptimizerConfig(clip_grad=0.5, triton_adam_step=triton))
+    opt = FullyShardedOptimizer(
+        torch.optim.AdamW(params, **kw), OptimizerConfig(clip_grad=0.5, triton_adam_step=triton)
+    )
     ref_opt = torch.optim.AdamW(ref, **kw)
     for step in range(4):
         g_gen = torch.Generator().manual_seed(10 + step)
@@ -211,9 +265,10 @@ def _wrapper_run(triton: bool):
         ref_opt.zero_grad()
     for p, q in zip(params, ref):
         torch.testing.assert_close(p._local_tensor, q.detach(), rtol=1e-5, atol=1e-6)
-        st, rst = opt.optimizer.state[p._local_tensor], ref_opt.state[q]
+        st, rst = opt.optimizer.state[p], ref_opt.state[q]  # stock state: DTensor values
         for k in rst:
-            torch.testing.assert_close(st[k], rst[k], rtol=1e-5, atol=1e-6)
+            mine = st[k]._local_tensor if hasattr(st[k], "_local_tensor") else st[k]
+            torch.testing.assert_close(mine, rst[k], rtol=1e-5, atol=1e-6)
     return opt._triton.launches if opt._triton is not None else 0, opt.fast_steps
 
 
@@ -234,16 +289,22 @@ def _rank_cpu(triton: bool):
 
     mesh = get_mesh((1,))
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(DTensor.from_local(torch.randn(s, generator=gen), mesh,
-                                                    [Shard(0)], run_check=False))
-              for s in SHAPES]
-    opt = FullyShardedOptimizer(torch.optim.AdamW(params, lr=1e-2, fused=True),
-                                OptimizerConfig(clip_grad=0.5, triton_adam_step=triton))
+    params = [
+        torch.nn.Parameter(
+            DTensor.from_local(torch.randn(s, generator=gen), mesh, [Shard(0)], run_check=False)
+        )
+        for s in SHAPES
+    ]
+    opt = FullyShardedOptimizer(
+        torch.optim.AdamW(params, lr=1e-2, fused=True),
+        OptimizerConfig(clip_grad=0.5, triton_adam_step=triton),
+    )
     for step in range(3):
         g_gen = torch.Generator().manual_seed(10 + step)
         for p in params:
-            p.grad = DTensor.from_local(torch.randn(p.shape, generator=g_gen), mesh,
-                                        [Shard(0)], run_check=False)
+            p.grad = DTensor.from_local(
+                torch.randn(p.shape, generator=g_gen), mesh, [Shard(0)], run_check=False
+            )
         opt.step()
         opt.zero_grad()
     launches = opt._triton.launches if opt._triton is not None else 0
@@ -267,5 +328,12 @@ def test_declines_small_tensors_by_default(monkeypatch):
     assert not tri.step(_group(True, False, 0.0), p, g, m, v, s, None)
     big = [torch.zeros(1 << 20, device="cuda") for _ in range(4)]
     steps = [torch.zeros((), device="cuda") for _ in range(4)]
-    assert tri.step(_group(True, False, 0.0), big, [b.clone() for b in big],
-                    [b.clone() for b in big], [b.clone() for b in big], steps, None)
+    assert tri.step(
+        _group(True, False, 0.0),
+        big,
+        [b.clone() for b in big],
+        [b.clone() for b in big],
+        [b.clone() for b in big],
+        steps,
+        None,
+    )

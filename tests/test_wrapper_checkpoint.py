@@ -20,7 +20,8 @@ def _wrapped(mesh, filter_empty: bool):
     _shard(model, mesh)
     base = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     opt = FullyShardedOptimizer(
-        base, OptimizerConfig(clip_grad=0.05, filter_empty_shards=filter_empty),
+        base,
+        OptimizerConfig(clip_grad=0.05, filter_empty_shards=filter_empty),
         grad_scaler=DynamicGradScaler(initial_scale=2.0**4, growth_interval=2),
         model_chunks=[model],
     )
@@ -43,8 +44,11 @@ def _global_state(opt) -> dict:
     from _checkpoint_helpers import global_state
 
     state, meta = global_state(opt.sharded_state_dict())
-    out = {f"{fqn}.{key}": torch.as_tensor(value).detach().clone()
-           for fqn, entry in state.items() for key, value in entry.items()}
+    out = {
+        f"{fqn}.{key}": torch.as_tensor(value).detach().clone()
+        for fqn, entry in state.items()
+        for key, value in entry.items()
+    }
     return out, meta
 
 
@@ -55,8 +59,14 @@ def _rank_save(path, filter_empty):
 
     model, opt = _wrapped(get_mesh((dist.get_world_size(),)), filter_empty)
     _train(model, opt, STEPS_BEFORE, 0)
-    dcp.save({"model": get_model_state_dict(model), "optimizer": opt.sharded_state_dict(),
-              "scaler": opt.grad_scaler_state_dict()}, checkpoint_id=path)
+    dcp.save(
+        {
+            "model": get_model_state_dict(model),
+            "optimizer": opt.sharded_state_dict(),
+            "scaler": opt.grad_scaler_state_dict(),
+        },
+        checkpoint_id=path,
+    )
     state, meta = _global_state(opt)
     after = _train(model, opt, STEPS_AFTER, STEPS_BEFORE)
     params = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
@@ -74,8 +84,11 @@ def _rank_load(path, mesh_shape, filter_empty):
     # a 2-D mesh makes fully_shard HSDP: replicate over dim 0, shard over dim 1
     model, opt = _wrapped(get_mesh(mesh_shape), filter_empty)
     model_sd = get_model_state_dict(model)
-    target = {"model": model_sd, "optimizer": opt.sharded_state_dict(is_loading=True),
-              "scaler": opt.grad_scaler_state_dict()}
+    target = {
+        "model": model_sd,
+        "optimizer": opt.sharded_state_dict(is_loading=True),
+        "scaler": opt.grad_scaler_state_dict(),
+    }
     dcp.load(target, checkpoint_id=path)
     set_model_state_dict(model, target["model"])
     opt.load_state_dict(target["optimizer"])

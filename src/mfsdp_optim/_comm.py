@@ -47,9 +47,7 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list
     _all_gather_flat(gathered, mine.to(device), group)
     host = gathered.cpu()
     base = host.data_ptr()
-    return [
-        pickle.loads(ctypes.string_at(base + r * width, n)) for r, n in enumerate(sizes_host)
-    ]
+    return [pickle.loads(ctypes.string_at(base + r * width, n)) for r, n in enumerate(sizes_host)]
 
 
 def all_reduce_max(values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -75,8 +75,9 @@ class OptimizerConfig:
             )
         self.clip_grad = float(clip)
         self.norm_type = check_norm_type(self.norm_type)
-        self.log_num_zeros_in_grad = bool(_flag(self.log_num_zeros_in_grad,
-                                                "log_num_zeros_in_grad"))
+        self.log_num_zeros_in_grad = bool(
+            _flag(self.log_num_zeros_in_grad, "log_num_zeros_in_grad")
+        )
         # not type-checked: on ranks outside it, dist.new_group hands out a sentinel, not a group
         self.filter_empty_shards = bool(_flag(self.filter_empty_shards, "filter_empty_shards"))
         self.precision_aware = _flag(self.precision_aware, "precision_aware", allow_none=True)

@@ -29,8 +29,14 @@ from ._fast_step import group_eligible
 from ._slots import Slot
 from ._views import local_shard_view
 
-__all__ = ["DISABLE_CLIP_FOLD_ENV", "DISABLE_FAST_STEP_ENV", "Route", "base_step",
-           "detect_precision_aware", "route_of"]
+__all__ = [
+    "DISABLE_CLIP_FOLD_ENV",
+    "DISABLE_FAST_STEP_ENV",
+    "Route",
+    "base_step",
+    "detect_precision_aware",
+    "route_of",
+]
 
 DISABLE_CLIP_FOLD_ENV = "MFSDP_OPTIM_DISABLE_CLIP_FOLD"
 DISABLE_FAST_STEP_ENV = "MFSDP_OPTIM_DISABLE_FAST_STEP"
@@ -50,16 +56,22 @@ def route_of(optimizer: torch.optim.Optimizer, *, precision_aware: bool) -> Rout
     if kind not in _GRAD_SCALE_TYPES or precision_aware or not groups:
         return Route(False, False)
     # set by torch.amp.GradScaler (or anyone else) for optimizers that take the scale themselves
-    if (getattr(optimizer, "grad_scale", None) is not None
-            or getattr(optimizer, "found_inf", None) is not None):
+    if (
+        getattr(optimizer, "grad_scale", None) is not None
+        or getattr(optimizer, "found_inf", None) is not None
+    ):
         return Route(False, False)
-    fold = (os.environ.get(DISABLE_CLIP_FOLD_ENV) != "1"
-            and all(g.get("fused") and not g.get("differentiable") for g in groups))
-    fast = (kind in _FAST_TYPES and os.environ.get(DISABLE_FAST_STEP_ENV) != "1"
-            and not optimizer._optimizer_step_pre_hooks
-            and not optimizer._optimizer_step_post_hooks
-            and "step" not in vars(optimizer)
-            and all(group_eligible(g) for g in groups))
+    fold = os.environ.get(DISABLE_CLIP_FOLD_ENV) != "1" and all(
+        g.get("fused") and not g.get("differentiable") for g in groups
+    )
+    fast = (
+        kind in _FAST_TYPES
+        and os.environ.get(DISABLE_FAST_STEP_ENV) != "1"
+        and not optimizer._optimizer_step_pre_hooks
+        and not optimizer._optimizer_step_post_hooks
+        and "step" not in vars(optimizer)
+        and all(group_eligible(g) for g in groups)
+    )
     return Route(fast, fold)
 
 
@@ -83,8 +95,10 @@ def detect_precision_aware(optimizer: torch.optim.Optimizer) -> tuple[bool, bool
 @contextmanager
 def global_hooks_held_back() -> Iterator[None]:
     """torch's global optimizer step hooks, emptied for the duration (the same dicts)."""
-    dicts: list[Any] = [_torch_optim._global_optimizer_pre_hooks,
-                        _torch_optim._global_optimizer_post_hooks]
+    dicts: list[Any] = [
+        _torch_optim._global_optimizer_pre_hooks,
+        _torch_optim._global_optimizer_post_hooks,
+    ]
     held = [(d, list(d.items())) for d in dicts]
     for d, _ in held:
         d.clear()
@@ -95,8 +109,14 @@ def global_hooks_held_back() -> Iterator[None]:
             d.update(items)
 
 
-def base_step(optimizer: torch.optim.Optimizer, slots: Sequence[Slot], *, decoupled: bool,
-              grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None = None) -> None:
+def base_step(
+    optimizer: torch.optim.Optimizer,
+    slots: Sequence[Slot],
+    *,
+    decoupled: bool,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None = None,
+) -> None:
     """``optimizer.step()`` on the local shards of the held slots, their work grads bound.
 
     ``grad_scale``/``found_inf``: set on the optimizer for the call, the way

@@ -53,9 +53,22 @@ def _local(value: Any) -> Any:
 
 
 class _GroupCache:
-    __slots__ = ("group", "params_list", "n", "amsgrad", "slots", "dparams", "params",
-                 "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps", "has_complex", "device",
-                 "grads")
+    __slots__ = (
+        "group",
+        "params_list",
+        "n",
+        "amsgrad",
+        "slots",
+        "dparams",
+        "params",
+        "exp_avgs",
+        "exp_avg_sqs",
+        "max_exp_avg_sqs",
+        "steps",
+        "has_complex",
+        "device",
+        "grads",
+    )
 
     def __init__(self, group: dict[str, Any]):
         self.group = group
@@ -103,16 +116,20 @@ class FastAdamStep:
         if pgs is not self._param_groups or len(pgs) != len(groups):
             return False
         for gc, group in zip(groups, pgs):
-            if (group is not gc.group or group["params"] is not gc.params_list
-                    or bool(group["amsgrad"]) != gc.amsgrad):
+            if (
+                group is not gc.group
+                or group["params"] is not gc.params_list
+                or bool(group["amsgrad"]) != gc.amsgrad
+            ):
                 return False
         return True
 
     def locals_ok(self) -> bool:
         """Every param still has the local tensor the cache holds (FSDP2 may replace it)."""
         assert self._groups is not None
-        return all(all(map(_is, [p._local_tensor for p in gc.dparams], gc.params))
-                   for gc in self._groups)
+        return all(
+            all(map(_is, [p._local_tensor for p in gc.dparams], gc.params)) for gc in self._groups
+        )
 
     def invalidate(self) -> None:
         self._groups = None
@@ -135,8 +152,13 @@ class FastAdamStep:
             need = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if gc.amsgrad else ())
             for s in gc.slots:
                 st = state.get(s.param)
-                if (not st or any(k not in st for k in need) or not torch.is_tensor(st["step"])
-                        or isinstance(st["step"], DTensor) or s.param.is_sparse):
+                if (
+                    not st
+                    or any(k not in st for k in need)
+                    or not torch.is_tensor(st["step"])
+                    or isinstance(st["step"], DTensor)
+                    or s.param.is_sparse
+                ):
                     self._failed = key  # the generic step creates (or rejects) the state
                     return False
                 gc.dparams.append(s.param)
@@ -178,8 +200,9 @@ class FastAdamStep:
     # -----------------------------------------------------------------------------------------
     # the step
 
-    def begin(self, optimizer: torch.optim.Optimizer, table: SlotTable,
-              trust_locals: bool = False) -> object | None:
+    def begin(
+        self, optimizer: torch.optim.Optimizer, table: SlotTable, trust_locals: bool = False
+    ) -> object | None:
         """Before the prepare loop (the route allows the fast step): the cache's token when the
         loop should collect the grads for it (valid, built now if needed), else None.
         ``trust_locals``: the prepare plan will vouch for the params' local tensors (it checks
@@ -204,12 +227,16 @@ class FastAdamStep:
     def skips_on_device(self) -> bool:
         """Every group is fused: its kernels take ``found_inf`` and skip the update on the
         device (torch's ``_fused_adam`` contract), step counters restored."""
-        return self._groups is not None and all(bool(gc.group.get("fused"))
-                                                for gc in self._groups)
+        return self._groups is not None and all(bool(gc.group.get("fused")) for gc in self._groups)
 
-    def step(self, optimizer: torch.optim.Optimizer, grad_devices: set[torch.device],
-             grad_scale: torch.Tensor | None = None, triton: Any = None,
-             found_inf: torch.Tensor | None = None) -> None:
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        grad_devices: set[torch.device],
+        grad_scale: torch.Tensor | None = None,
+        triton: Any = None,
+        found_inf: torch.Tensor | None = None,
+    ) -> None:
         """``Adam.step()`` on the cached lists and the collected grads; ``grad_devices``: the
         devices of all the work grads (the direct fused call needs them on the group's);
         ``grad_scale``: what ``Adam.step()`` would read from ``optimizer.grad_scale`` (fused
@@ -225,8 +252,13 @@ class FastAdamStep:
                 self._step_group(gc, direct, grad_scale, triton, found_inf)
 
     @staticmethod
-    def _step_group(gc: _GroupCache, direct: bool, grad_scale: torch.Tensor | None,
-                    triton: Any = None, found_inf: torch.Tensor | None = None) -> None:
+    def _step_group(
+        gc: _GroupCache,
+        direct: bool,
+        grad_scale: torch.Tensor | None,
+        triton: Any = None,
+        found_inf: torch.Tensor | None = None,
+    ) -> None:
         group = gc.group
         grads = gc.grads
         params, exp_avgs, exp_avg_sqs = gc.params, gc.exp_avgs, gc.exp_avg_sqs
@@ -253,32 +285,59 @@ class FastAdamStep:
                 beta2 = beta2.squeeze()
             if torch.is_tensor(lr) and str(lr.device) != "cpu" and lr.device != device:
                 lr = lr.to(device=device, non_blocking=True)
-            if found_inf is None and triton is not None and triton.step(
-                    group, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale):
+            if (
+                found_inf is None
+                and triton is not None
+                and triton.step(group, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale)
+            ):
                 return
             if grad_scale is not None:
                 grad_scale = grad_scale.to(device, non_blocking=True)
             if found_inf is not None:
                 found_inf = found_inf.to(device, non_blocking=True)
             torch._foreach_add_(steps, 1)
-            func = (torch._fused_adamw_ if group["decoupled_weight_decay"]
-                    else torch._fused_adam_)
+            func = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
             func(
-                params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-                amsgrad=group["amsgrad"], lr=lr, beta1=beta1, beta2=beta2,
-                weight_decay=group["weight_decay"], eps=group["eps"],
-                maximize=group["maximize"], grad_scale=grad_scale, found_inf=found_inf,
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                max_exp_avg_sqs,
+                steps,
+                amsgrad=group["amsgrad"],
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=group["maximize"],
+                grad_scale=grad_scale,
+                found_inf=found_inf,
             )
             if found_inf is not None:  # a skipped update leaves the counters where they were
                 torch._foreach_sub_(steps, [found_inf] * len(steps))
             return
         # exactly the call Adam.step() makes after _init_group
         _functional_adam(
-            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-            amsgrad=group["amsgrad"], has_complex=gc.has_complex, beta1=beta1, beta2=beta2,
-            lr=lr, weight_decay=group["weight_decay"], eps=group["eps"],
-            maximize=group["maximize"], foreach=group["foreach"],
-            capturable=group["capturable"], differentiable=group["differentiable"],
-            fused=group["fused"], grad_scale=grad_scale, found_inf=found_inf,
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            max_exp_avg_sqs,
+            steps,
+            amsgrad=group["amsgrad"],
+            has_complex=gc.has_complex,
+            beta1=beta1,
+            beta2=beta2,
+            lr=lr,
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+            foreach=group["foreach"],
+            capturable=group["capturable"],
+            differentiable=group["differentiable"],
+            fused=group["fused"],
+            grad_scale=grad_scale,
+            found_inf=found_inf,
             decoupled_weight_decay=group["decoupled_weight_decay"],
         )

@@ -21,7 +21,8 @@ Design (one launch per bucket, no host synchronisation):
   Per lane it accumulates ``|x|^p`` in float64 (``x*x`` for p=2, ``|x|`` for p=1, ``|x|*x*x``
   for p=3, ``sqrt|x|`` for p=0.5, ``pow`` otherwise) or ``max|x|`` (float32, NaN-propagating)
   for p=inf, and the zero count in int32 lanes, after folding ``FOLD`` neighbouring elements
-  held by one thread (fewer float64 accumulator registers, so more programs fit on an SM). When it leaves a tensor it reduces the lanes: a
+  held by one thread (fewer float64 accumulator registers, so more programs fit on an SM). When it
+  leaves a tensor it reduces the lanes: a
   non-finite segment sum (or maximum) means that tensor holds a NaN or an inf, and sets that
   tensor's flag.
 * Every program writes its partial (float64 sum or max, int64 zeros) to a workspace; the last

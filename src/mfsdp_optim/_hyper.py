@@ -47,8 +47,9 @@ def _check(where: str, value: Any, low: float, fix: str) -> None:
     try:
         x = _number(value)
     except TypeError:
-        raise TypeError(f"{where} is {value!r} ({type(value).__name__}); it must be a number. "
-                        f"{fix}") from None
+        raise TypeError(
+            f"{where} is {value!r} ({type(value).__name__}); it must be a number. {fix}"
+        ) from None
     if x is not None and not (math.isfinite(x) and x >= low):
         raise ValueError(f"{where} is {x}: it must be a finite number >= {low:g}. {fix}")
 
@@ -63,8 +64,10 @@ def check_param_groups(groups: list[dict[str, Any]]) -> None:
         betas = group.get("betas")
         if betas is not None:
             if not isinstance(betas, (tuple, list)):
-                raise TypeError(f"param_groups[{i}]['betas'] is {betas!r}; it must be a pair of "
-                                f"numbers in [0, 1). {fix}")
+                raise TypeError(
+                    f"param_groups[{i}]['betas'] is {betas!r}; it must be a pair of "
+                    f"numbers in [0, 1). {fix}"
+                )
             for j, b in enumerate(betas):
                 where = f"param_groups[{i}]['betas'][{j}]"
                 _check(where, b, 0.0, fix)

@@ -64,7 +64,7 @@ def _bit_hash(t: torch.Tensor) -> tuple[int, int, bool]:
     n = bits.numel()
     acc = torch.zeros(2, dtype=torch.int64, device=bits.device)
     for lo in range(0, n, _CHUNK):
-        x = bits[lo:lo + _CHUNK].to(torch.int64)
+        x = bits[lo : lo + _CHUNK].to(torch.int64)
         # int64 sums wrap around; a position weight makes permutations hash apart
         w = torch.arange(lo, lo + x.numel(), dtype=torch.int64, device=x.device)
         w = (w * 2654435761 + 97) % 2147483647
@@ -77,14 +77,14 @@ def _bit_hash(t: torch.Tensor) -> tuple[int, int, bool]:
 def _shard_offset(p: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape, offset = compute_local_shape_and_global_offset(
-        p.shape, p.device_mesh, p.placements)
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     return tuple(int(o) for o in offset), tuple(int(s) for s in shape)
 
 
 def _named_params(model) -> Iterable[tuple[str, torch.Tensor]]:
     chunks: Sequence[torch.nn.Module] = (
-        [model] if isinstance(model, torch.nn.Module) else list(model))
+        [model] if isinstance(model, torch.nn.Module) else list(model)
+    )
     seen: set[int] = set()
     for chunk in chunks:
         for name, p in chunk.named_parameters():
@@ -94,9 +94,12 @@ def _named_params(model) -> Iterable[tuple[str, torch.Tensor]]:
                 yield ".".join(part for part in name.split(".") if part != "_orig_mod"), p
 
 
-def check_layout(model: torch.nn.Module | Sequence[torch.nn.Module], *,
-                 group: dist.ProcessGroup | None = None,
-                 warn: bool = True) -> list[DuplicatedParam]:
+def check_layout(
+    model: torch.nn.Module | Sequence[torch.nn.Module],
+    *,
+    group: dist.ProcessGroup | None = None,
+    warn: bool = True,
+) -> list[DuplicatedParam]:
     """Params whose mesh instances hold identical copies (their norm would be over-counted).
 
     ``model``: a module or a sequence of model chunks; its DTensor params are checked (plain
@@ -117,8 +120,7 @@ def check_layout(model: torch.nn.Module | Sequence[torch.nn.Module], *,
         offset, shape = _shard_offset(p)
         vh = _bit_hash(local)
         gh = _bit_hash(grad) if grad is not None and grad.numel() else None
-        mine.append((fqn, ranks, tuple(p.shape), str(tuple(p.placements)), offset, shape,
-                     vh, gh))
+        mine.append((fqn, ranks, tuple(p.shape), str(tuple(p.placements)), offset, shape, vh, gh))
     everyone = all_gather_objects(mine, group)
 
     # fqn -> mesh instance (its ranks) -> {shard position: (value hash, grad hash)}
@@ -153,11 +155,13 @@ def check_layout(model: torch.nn.Module | Sequence[torch.nn.Module], *,
                 if all(h[0][2] for s in held for h in s.values()):
                     continue  # constant shards and no grads: no evidence either way
                 evidence = "values"
-            found.append(DuplicatedParam(fqn, len(members), tuple(sorted(members)),
-                                         meta[fqn][1], evidence))
+            found.append(
+                DuplicatedParam(fqn, len(members), tuple(sorted(members)), meta[fqn][1], evidence)
+            )
     if found and warn:
-        desc = "; ".join(f"{d.fqn} ({d.copies} identical copies on meshes "
-                         f"{list(d.meshes)})" for d in found)
+        desc = "; ".join(
+            f"{d.fqn} ({d.copies} identical copies on meshes {list(d.meshes)})" for d in found
+        )
         warnings.warn(
             f"check_layout: {len(found)} param(s) hold identical copies on separate mesh "
             f"instances, so grad norms count them once per copy: {desc}. A param left off a "

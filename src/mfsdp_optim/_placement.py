@@ -81,9 +81,7 @@ def mesh_ranks_outside_group(mesh: DeviceMesh, group: dist.ProcessGroup | None) 
 
 
 @functools.lru_cache(maxsize=1024)
-def _mesh_ranks_outside_group(
-    mesh: DeviceMesh, group: dist.ProcessGroup | None
-) -> tuple[int, ...]:
+def _mesh_ranks_outside_group(mesh: DeviceMesh, group: dist.ProcessGroup | None) -> tuple[int, ...]:
     if group is None or group is dist.group.WORLD:
         members = set(range(dist.get_world_size()))
     else:

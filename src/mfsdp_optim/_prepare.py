@@ -28,11 +28,22 @@ __all__ = ["PreparePlan", "Preparer"]
 class PreparePlan:
     """What a steady ``collect`` found, to replay it with a few list-wide identity checks."""
 
-    __slots__ = ("slots", "n", "cast_grads", "params", "specs", "dtypes", "locals", "buckets",
-                 "fast_token", "fast_lists")
+    __slots__ = (
+        "slots",
+        "n",
+        "cast_grads",
+        "params",
+        "specs",
+        "dtypes",
+        "locals",
+        "buckets",
+        "fast_token",
+        "fast_lists",
+    )
 
-    def __init__(self, slots: list[Slot], cast_grads: bool, keys: list[BucketKey],
-                 fast_token: object):
+    def __init__(
+        self, slots: list[Slot], cast_grads: bool, keys: list[BucketKey], fast_token: object
+    ):
         self.slots = slots
         self.n = len(slots)
         self.cast_grads = cast_grads
@@ -55,12 +66,14 @@ class PreparePlan:
         for i, s in enumerate(self.slots):
             if s.fast_list is not None:
                 by_list.setdefault(id(s.fast_list), (s.fast_list, []))[1].append(i)
-        self.fast_lists = [(fl, None if len(idx) == self.n else idx)
-                           for fl, idx in by_list.values()]
+        self.fast_lists = [
+            (fl, None if len(idx) == self.n else idx) for fl, idx in by_list.values()
+        ]
         self.fast_token = fast_token
 
-    def replay(self, slots: list[Slot], cast_grads: bool, fast_token: object | None
-               ) -> Buckets | None:
+    def replay(
+        self, slots: list[Slot], cast_grads: bool, fast_token: object | None
+    ) -> Buckets | None:
         """This step's buckets with each slot's ``work_grad`` set and the fast lists filled
         (``fast_token``: the fast step's current cache, None when it does not run); None when
         anything differs from the recorded step."""
@@ -75,9 +88,11 @@ class PreparePlan:
             locals_ = [g._local_tensor for g in grads]  # type: ignore[union-attr]
         except AttributeError:  # a param without a grad this step, or a plain-tensor grad
             return None
-        if not (all(map(_is, [g._spec for g in grads], self.specs))  # type: ignore[union-attr]
-                and all(map(_is, [t.dtype for t in locals_], self.dtypes))
-                and all(map(_is, [p._local_tensor for p in params], self.locals))):
+        if not (
+            all(map(_is, [g._spec for g in grads], self.specs))  # type: ignore[union-attr]
+            and all(map(_is, [t.dtype for t in locals_], self.dtypes))
+            and all(map(_is, [p._local_tensor for p in params], self.locals))
+        ):
             return None
         for slot, g in zip(slots, grads):
             slot.work_grad = g  # type: ignore[assignment]  # a DTensor param's grad
@@ -86,8 +101,9 @@ class PreparePlan:
                 self.index_fast_lists(fast_token)
             for fl, idx in self.fast_lists:
                 fl.extend(locals_ if idx is None else [locals_[i] for i in idx])
-        return {k: (locals_ if idx is None else [locals_[i] for i in idx])
-                for k, idx in self.buckets}
+        return {
+            k: (locals_ if idx is None else [locals_[i] for i in idx]) for k, idx in self.buckets
+        }
 
 
 class Preparer:
@@ -100,8 +116,14 @@ class Preparer:
         self.replays = 0  # how many collects replayed the plan (for tests and diagnostics)
         self.replayed = False  # whether the last collect did
 
-    def collect(self, slots: list[Slot], *, cast_grads: bool, group: dist.ProcessGroup | None,
-                fast_token: object | None) -> Buckets:
+    def collect(
+        self,
+        slots: list[Slot],
+        *,
+        cast_grads: bool,
+        group: dist.ProcessGroup | None,
+        fast_token: object | None,
+    ) -> Buckets:
         """Set every slot's work grad and bucket the local shards (see the module docstring).
         Raises TypeError/ValueError on a grad that cannot be used (e.g. a plain tensor)."""
         self.any_cast = False
@@ -114,8 +136,13 @@ class Preparer:
         self.work_locals = buckets
         return buckets
 
-    def _full_loop(self, slots: list[Slot], cast_grads: bool, group: dist.ProcessGroup | None,
-                   fast_token: object | None) -> Buckets:
+    def _full_loop(
+        self,
+        slots: list[Slot],
+        cast_grads: bool,
+        group: dist.ProcessGroup | None,
+        fast_token: object | None,
+    ) -> Buckets:
         self.plan = None
         buckets: Buckets = defaultdict(list)
         keys: list[BucketKey] = []
@@ -147,8 +174,12 @@ class Preparer:
                 s.saved_grad = g
                 local = local.to(key[1])
                 s.work_grad = DTensor.from_local(
-                    local, g.device_mesh, g.placements, run_check=False,
-                    shape=g.shape, stride=g.stride(),
+                    local,
+                    g.device_mesh,
+                    g.placements,
+                    run_check=False,
+                    shape=g.shape,
+                    stride=g.stride(),
                 )
                 self.any_cast = True
             buckets[key].append(local)
@@ -167,8 +198,7 @@ class Preparer:
         for device, tensors in by_device.items():
             # its own found_inf is unused: the stats collective decides, for every rank together
             scratch = torch.zeros(1, dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(tensors, scratch,
-                                                             inv_scale_on(device))
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, scratch, inv_scale_on(device))
 
     def restore(self, slots: list[Slot]) -> None:
         """Copy cast work grads back into the original grads; drop every work grad."""

@@ -123,8 +123,10 @@ def reduce_buckets(
             failure = exc
     if failure is not None:
         p, contribution = math.nan, empty_contribution(device)
-    meta = torch.tensor([0.0 if failure is None else 1.0, p,
-                         1.0 if count_zeros is True else 0.0, _MAGIC_VALUE], dtype=torch.float64)
+    meta = torch.tensor(
+        [0.0 if failure is None else 1.0, p, 1.0 if count_zeros is True else 0.0, _MAGIC_VALUE],
+        dtype=torch.float64,
+    )
     assert contribution is not None
     row = torch.cat([contribution, meta.to(device, non_blocking=True)])
     world = dist.get_world_size(group)
@@ -148,7 +150,7 @@ def reduce_buckets(
 
 
 def _finish(rows: torch.Tensor, p: float, count_zeros: bool) -> GradStats:
-    total = combine_contributions(rows[:, :NONFINITE_SLOT + 1], p)
+    total = combine_contributions(rows[:, : NONFINITE_SLOT + 1], p)
     norm = finish_norm(total[NORM_SLOT], p)
     num_zeros = total[ZEROS_SLOT].round().to(torch.int64) if count_zeros else None
     return GradStats(total_norm=norm, num_zeros=num_zeros, found_inf=total[NONFINITE_SLOT] > 0)
@@ -157,11 +159,17 @@ def _finish(rows: torch.Tensor, p: float, count_zeros: bool) -> GradStats:
 def _device_verdict(rows: torch.Tensor, p: float, count_zeros: bool) -> GradStats:
     """``_finish`` with every check of ``_check_same_arguments`` folded in on the device."""
     stats = _finish(rows, p, count_zeros)
-    bad = ((rows[:, _FAILED] != 0).any() | (rows[:, _MAGIC] != _MAGIC_VALUE).any()
-           | (rows[:, _NORM_TYPE] != p).any()
-           | (rows[:, _COUNT_ZEROS] != float(count_zeros)).any())
-    return GradStats(total_norm=torch.where(bad, torch.nan, stats.total_norm),
-                     num_zeros=stats.num_zeros, found_inf=stats.found_inf | bad)
+    bad = (
+        (rows[:, _FAILED] != 0).any()
+        | (rows[:, _MAGIC] != _MAGIC_VALUE).any()
+        | (rows[:, _NORM_TYPE] != p).any()
+        | (rows[:, _COUNT_ZEROS] != float(count_zeros)).any()
+    )
+    return GradStats(
+        total_norm=torch.where(bad, torch.nan, stats.total_norm),
+        num_zeros=stats.num_zeros,
+        found_inf=stats.found_inf | bad,
+    )
 
 
 def require_member(group: dist.ProcessGroup | None) -> None:
@@ -249,7 +257,8 @@ def _bucket_contribution(
     count_zeros: bool,
 ) -> torch.Tensor:
     """One bucket's contribution: the fused kernel where it applies, else multi-tensor torch."""
-    kwargs: dict[str, Any] = dict(norm_type=norm_type, replication=replication, canonical=canonical,
-                  count_zeros=count_zeros)
+    kwargs: dict[str, Any] = dict(
+        norm_type=norm_type, replication=replication, canonical=canonical, count_zeros=count_zeros
+    )
     row = _fused.shard_contribution(tensors, **kwargs)
     return row if row is not None else shard_contribution(tensors, **kwargs)

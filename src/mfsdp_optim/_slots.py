@@ -32,8 +32,18 @@ _COMPILE_PREFIX = "_orig_mod"
 class Slot:
     """One param of the base optimizer and what the wrapper caches about it between steps."""
 
-    __slots__ = ("fqn", "param", "group_index", "held", "work_grad", "saved_grad", "grad_spec",
-                 "grad_dtype", "bucket_key", "fast_list")
+    __slots__ = (
+        "fqn",
+        "param",
+        "group_index",
+        "held",
+        "work_grad",
+        "saved_grad",
+        "grad_spec",
+        "grad_dtype",
+        "bucket_key",
+        "fast_list",
+    )
 
     def __init__(self, fqn: str, param: DTensor, group_index: int, held: bool):
         self.fqn = fqn
@@ -83,8 +93,14 @@ def fqn_map(model_chunks: Sequence[torch.nn.Module]) -> dict[int, str]:
 class SlotTable:
     """The slots of every param of ``optimizer.param_groups``, validated."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model_chunks: Sequence[torch.nn.Module],
-                 *, filter_empty: bool, stats_group: dist.ProcessGroup | None):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model_chunks: Sequence[torch.nn.Module],
+        *,
+        filter_empty: bool,
+        stats_group: dist.ProcessGroup | None,
+    ):
         self.optimizer = optimizer
         self.model_chunks = list(model_chunks)
         self.filter_empty = filter_empty

@@ -14,7 +14,8 @@ Nothing here touches a process group. A *contribution* is a float64 vector of th
 Contributions of a finite ``p`` combine by summation; those of ``p = inf`` need a maximum in the
 first slot and sums in the others. Both are gathered (``_reduce``: one all-gather whatever ``p``,
 so ranks with different arguments can never issue different collectives) and combined by
-:func:`combine_contributions`, which is also what combines the groups of one rank. Accumulation is float64 throughout: a float32 grad of 1e30 squares to 1e60 without
+:func:`combine_contributions`, which is also what combines the groups of one rank. Accumulation is
+float64 throughout: a float32 grad of 1e30 squares to 1e60 without
 overflow, and the zero count stays exact far past 2**24.
 """
 
@@ -64,7 +65,8 @@ def shard_contribution(
 ) -> torch.Tensor:
     """Contribution of local shards that share a device, a dtype and a layout.
 
-    ``tensors`` are plain local tensors (empty ones add nothing); every one of them is held identically by ``replication``
+    ``tensors`` are plain local tensors (empty ones add nothing); every one of them is held
+    identically by ``replication``
     ranks, and ``canonical`` says whether this rank is the one that counts their zeros. Runs as a
     few multi-tensor kernels (``torch._foreach_norm``) whatever the number of tensors, and never
     synchronises with the host. The result is a float64 vector on the tensors' device.

@@ -29,7 +29,8 @@ binary search, then walks forward, as the stats kernel does.
 Not taken (torch's own fused kernel runs): groups of small tensors (fewer than 2**20 elements
 per tensor on average: there the host work per tensor costs more than the kernel saves),
 amsgrad, a tensor lr, non-contiguous or misaligned tensors, a dtype other than float32/
-bfloat16/float16, params/state/grads of different dtypes, CPU tensors, CUDA graph capture, ``torch.compile`` tracing, Triton missing.
+bfloat16/float16, params/state/grads of different dtypes, CPU tensors, CUDA graph capture,
+``torch.compile`` tracing, Triton missing.
 """
 
 from __future__ import annotations
@@ -85,12 +86,28 @@ def _build() -> Any:
 
     @triton.jit(do_not_specialize=["n", "n_steps", "total_items", "items_per_prog", "num_progs"])
     def _adam_kernel(
-        p_base, g_base, m_base, v_base, s_base,
-        table_ptr, goffs_ptr, soffs_ptr, hp_ptr,
-        n, n_steps, total_items, items_per_prog, num_progs,
-        divisor_ptr, ticket_ptr,
-        HAS_DIVISOR: tl.constexpr, ADAMW: tl.constexpr, MAXIMIZE: tl.constexpr,
-        BLOCK: tl.constexpr, ALIGN: tl.constexpr, REDUCE_BLOCK: tl.constexpr,
+        p_base,
+        g_base,
+        m_base,
+        v_base,
+        s_base,
+        table_ptr,
+        goffs_ptr,
+        soffs_ptr,
+        hp_ptr,
+        n,
+        n_steps,
+        total_items,
+        items_per_prog,
+        num_progs,
+        divisor_ptr,
+        ticket_ptr,
+        HAS_DIVISOR: tl.constexpr,
+        ADAMW: tl.constexpr,
+        MAXIMIZE: tl.constexpr,
+        BLOCK: tl.constexpr,
+        ALIGN: tl.constexpr,
+        REDUCE_BLOCK: tl.constexpr,
     ):
         pid = tl.program_id(0)
         begin = pid.to(tl.int64) * items_per_prog
@@ -212,21 +229,37 @@ class TritonAdam:
     @staticmethod
     def eligible(group: dict, params: list[torch.Tensor]) -> bool:
         """Group-level conditions (tensor-level ones are checked at each step)."""
-        return (not group.get("amsgrad") and not torch.is_tensor(group["lr"])
-                and not any(torch.is_tensor(b) for b in group["betas"])
-                and bool(params) and params[0].device.type == "cuda"
-                and params[0].dtype in _DTYPES)
+        return (
+            not group.get("amsgrad")
+            and not torch.is_tensor(group["lr"])
+            and not any(torch.is_tensor(b) for b in group["betas"])
+            and bool(params)
+            and params[0].device.type == "cuda"
+            and params[0].dtype in _DTYPES
+        )
 
-    def step(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
-             exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
-             steps: list[torch.Tensor], divisor: torch.Tensor | None) -> bool:
+    def step(
+        self,
+        group: dict,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        steps: list[torch.Tensor],
+        divisor: torch.Tensor | None,
+    ) -> bool:
         """``_fused_adam(w)_`` for one group with the grads divided by ``divisor`` inside the
         update; False (nothing done) when the kernel does not apply."""
         kernel = _load()  # None without Triton or numpy
-        if (kernel is None or not self.eligible(group, params)
-                or torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling()):
+        if (
+            kernel is None
+            or not self.eligible(group, params)
+            or torch.cuda.is_current_stream_capturing()
+            or torch.compiler.is_compiling()
+        ):
             return False
         import numpy as np
+
         # the size test first: it is the one that declines many-small-tensor groups, every step,
         # so it must cost little (one numel per param, not four checks per tensor)
         numels = np.fromiter(map(torch.Tensor.numel, params), dtype=np.int64, count=len(params))
@@ -237,8 +270,12 @@ class TritonAdam:
         p0 = params[0]
         device, dtype = p0.device, p0.dtype
         contiguous = torch.Tensor.is_contiguous
-        if not (all(map(contiguous, params)) and all(map(contiguous, grads))
-                and all(map(contiguous, exp_avgs)) and all(map(contiguous, exp_avg_sqs))):
+        if not (
+            all(map(contiguous, params))
+            and all(map(contiguous, grads))
+            and all(map(contiguous, exp_avgs))
+            and all(map(contiguous, exp_avg_sqs))
+        ):
             return False
         if {g.dtype for g in grads} != {dtype}:
             return False
@@ -265,11 +302,23 @@ class TritonAdam:
         cum = np.zeros(n + 1, dtype=np.int64)
         np.cumsum((numels[keep] + (_BLOCK - 1)) // _BLOCK, out=cum[1:])
         beta1, beta2 = group["betas"]
-        hp = np.array([group["lr"], beta1, beta2, group["eps"], group["weight_decay"]],
-                      dtype=np.float64).view(np.int64)
+        hp = np.array(
+            [group["lr"], beta1, beta2, group["eps"], group["weight_decay"]], dtype=np.float64
+        ).view(np.int64)
         # [p | m | v | step index | numel | cum (n + 1) | grad offs (n) | step offs | hparams]
-        table = np.concatenate([parts[0], parts[1], parts[2], keep.astype(np.int64),
-                                numels[keep], cum, parts[3], s_offs[0], hp])
+        table = np.concatenate(
+            [
+                parts[0],
+                parts[1],
+                parts[2],
+                keep.astype(np.int64),
+                numels[keep],
+                cum,
+                parts[3],
+                s_offs[0],
+                hp,
+            ]
+        )
         dev_table = _upload(table, device)
         total_items = int(cum[-1])
         per_prog = -(-total_items // min(total_items, _sm_count_of(device) * _PROGRAMS_PER_SM))
@@ -277,22 +326,38 @@ class TritonAdam:
         ticket = self._tickets.get(device.index)  # type: ignore[arg-type]
         if ticket is None:
             ticket = self._tickets[device.index] = torch.zeros(  # type: ignore[index]
-                1, dtype=torch.int32, device=device)
+                1, dtype=torch.int32, device=device
+            )
         if divisor is not None:
             divisor = divisor.to(device=device, dtype=torch.float32, non_blocking=True)
-        goffs = dev_table[6 * n + 1:7 * n + 1]
-        soffs = dev_table[7 * n + 1:7 * n + 1 + len(steps)]
-        hparams = dev_table[7 * n + 1 + len(steps):]
+        goffs = dev_table[6 * n + 1 : 7 * n + 1]
+        soffs = dev_table[7 * n + 1 : 7 * n + 1 + len(steps)]
+        hparams = dev_table[7 * n + 1 + len(steps) :]
         with torch.cuda.device(device):
             kernel[(num_progs,)](
-                params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], steps[0],
-                dev_table, goffs, soffs, hparams,
-                n, len(steps), total_items, per_prog, num_progs,
-                divisor if divisor is not None else steps[0], ticket,
-                HAS_DIVISOR=divisor is not None, ADAMW=bool(group["decoupled_weight_decay"]),
-                MAXIMIZE=bool(group["maximize"]), BLOCK=_BLOCK,
+                params[0],
+                grads[0],
+                exp_avgs[0],
+                exp_avg_sqs[0],
+                steps[0],
+                dev_table,
+                goffs,
+                soffs,
+                hparams,
+                n,
+                len(steps),
+                total_items,
+                per_prog,
+                num_progs,
+                divisor if divisor is not None else steps[0],
+                ticket,
+                HAS_DIVISOR=divisor is not None,
+                ADAMW=bool(group["decoupled_weight_decay"]),
+                MAXIMIZE=bool(group["maximize"]),
+                BLOCK=_BLOCK,
                 ALIGN=16 // p0.element_size() if aligned else 1,
-                REDUCE_BLOCK=_REDUCE_BLOCK, num_warps=_NUM_WARPS,
+                REDUCE_BLOCK=_REDUCE_BLOCK,
+                num_warps=_NUM_WARPS,
             )
         self.launches += 1
         return True

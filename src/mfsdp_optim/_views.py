@@ -43,8 +43,14 @@ def as_stock_value(key: str, value: object, param: DTensor, local: torch.Tensor)
         and value.shape == local.shape
         and (local.dim() > 0 or key not in SCALAR_STATE_KEYS)
     ):
-        return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
+        return DTensor.from_local(
+            value,
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
     return value
 
 

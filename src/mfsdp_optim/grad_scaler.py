@@ -6,7 +6,8 @@ the grad-stats group, so every rank of that group hands the same ``found_inf`` t
 :meth:`GradScaler.update` and every rank's scale evolves identically (unlike
 ``torch.amp.GradScaler``, which agrees on ``found_inf`` only over the first grad's mesh).
 
-The scale lives in a 0-d float32 tensor; :meth:`GradScaler.scale_on` / :meth:`GradScaler.inv_scale_on`
+The scale lives in a 0-d float32 tensor; :meth:`GradScaler.scale_on` /
+:meth:`GradScaler.inv_scale_on`
 hand out cached copies on the grads' device so unscaling never synchronises with the host.
 
 ``update(found_inf)`` takes a Python bool, or a 0-d bool tensor (``OptimizerConfig(host_sync=
@@ -37,8 +38,11 @@ _RANGE = f"[2**-126, 2**126] (about [{MIN_SCALE:.3g}, {MAX_SCALE:.3g}])"
 
 def _real(name: str, value: Any) -> float:
     """``value`` as a finite float, or a TypeError/ValueError that names ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)) or (
-            isinstance(value, torch.Tensor) and value.numel() != 1):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (numbers.Real, torch.Tensor))
+        or (isinstance(value, torch.Tensor) and value.numel() != 1)
+    ):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     out = float(value)
     if not math.isfinite(out):
@@ -58,15 +62,17 @@ def _scale(name: str, value: Any) -> float:
         raise ValueError(
             f"{name} must be a finite number > 0 within float32's normal range {_RANGE}, got "
             f"{out!r}: float32 grads scaled by it overflow to inf (every step skipped) or "
-            "unscale to zero. Typical scales are 2**8 .. 2**24.")
+            "unscale to zero. Typical scales are 2**8 .. 2**24."
+        )
     return out
 
 
 def _integer(name: str, value: Any, minimum: int) -> int:
     """An integer >= ``minimum`` (an integral float such as 2.0 passes), naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, (numbers.Integral, float)):
-        raise TypeError(f"{name} must be an integer >= {minimum}, got {type(value).__name__} "
-                        f"{value!r}")
+        raise TypeError(
+            f"{name} must be an integer >= {minimum}, got {type(value).__name__} {value!r}"
+        )
     if isinstance(value, float) and not value.is_integer():
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     if int(value) < minimum:
@@ -76,15 +82,21 @@ def _integer(name: str, value: Any, minimum: int) -> int:
 
 def _state_keys(state_dict: Any, who: str, keys: set[str]) -> None:
     if not isinstance(state_dict, dict):
-        raise TypeError(f"{who} state_dict must be a dict (from {who}.state_dict()), got "
-                        f"{type(state_dict).__name__}")
+        raise TypeError(
+            f"{who} state_dict must be a dict (from {who}.state_dict()), got "
+            f"{type(state_dict).__name__}"
+        )
     missing, extra = keys - set(state_dict), set(state_dict) - keys
     if missing:
-        raise ValueError(f"{who} state_dict is missing {sorted(missing)}; got keys "
-                         f"{sorted(state_dict)}. Pass what {who}.state_dict() returned.")
+        raise ValueError(
+            f"{who} state_dict is missing {sorted(missing)}; got keys "
+            f"{sorted(state_dict)}. Pass what {who}.state_dict() returned."
+        )
     if extra:
-        raise ValueError(f"{who} state_dict has unexpected keys {sorted(extra)} (expected "
-                         f"{sorted(keys)}): the state of another scaler class?")
+        raise ValueError(
+            f"{who} state_dict has unexpected keys {sorted(extra)} (expected "
+            f"{sorted(keys)}): the state of another scaler class?"
+        )
 
 
 class GradScaler:
@@ -113,9 +125,14 @@ class GradScaler:
         if not dev or dev["_scale_value"].device != device:
             self._pull()
             dev = self._device = {
-                k: torch.full((), v, dtype=torch.float64 if isinstance(v, float) else torch.int64,
-                              device=device)
-                for k, v in self._host_fields().items()}
+                k: torch.full(
+                    (),
+                    v,
+                    dtype=torch.float64 if isinstance(v, float) else torch.int64,
+                    device=device,
+                )
+                for k, v in self._host_fields().items()
+            }
         return dev
 
     def _pull(self) -> None:
@@ -241,14 +258,16 @@ class DynamicGradScaler(GradScaler):
         if not min_scale <= self._scale_value:
             raise ValueError(
                 f"min_scale must be > 0 and <= initial_scale ({self._scale_value}), got "
-                f"{min_scale!r}")
+                f"{min_scale!r}"
+            )
         growth_factor = _real("growth_factor", growth_factor)
         if not growth_factor > 1.0:
             raise ValueError(f"growth_factor must be > 1, got {growth_factor!r} (typically 2)")
         backoff_factor = _real("backoff_factor", backoff_factor)
         if not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r} "
-                             "(typically 0.5)")
+            raise ValueError(
+                f"backoff_factor must be in (0, 1), got {backoff_factor!r} (typically 0.5)"
+            )
         self.min_scale = min_scale
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
@@ -258,8 +277,11 @@ class DynamicGradScaler(GradScaler):
         self._hysteresis_tracker = self.hysteresis
 
     def _host_fields(self) -> dict[str, Any]:
-        return {"_scale_value": self._scale_value, "_growth_tracker": self._growth_tracker,
-                "_hysteresis_tracker": self._hysteresis_tracker}
+        return {
+            "_scale_value": self._scale_value,
+            "_growth_tracker": self._growth_tracker,
+            "_hysteresis_tracker": self._hysteresis_tracker,
+        }
 
     def update(self, found_inf: bool | torch.Tensor) -> None:
         if isinstance(found_inf, torch.Tensor):
@@ -284,15 +306,20 @@ class DynamicGradScaler(GradScaler):
         """The rule of :meth:`update` with tensor ops (float64 scale, int64 trackers)."""
         dev = self._to_device(found_inf.device)
         inf = found_inf.to(torch.bool)
-        scale, growth, hyst = (dev["_scale_value"], dev["_growth_tracker"],
-                               dev["_hysteresis_tracker"])
+        scale, growth, hyst = (
+            dev["_scale_value"],
+            dev["_growth_tracker"],
+            dev["_hysteresis_tracker"],
+        )
         spent = (hyst - 1).clamp(min=0)
         counted = growth + 1
         grow = ~inf & (counted >= self.growth_interval)
         backoff = inf & (spent == 0)
         new_scale = torch.where(
-            backoff, (scale * self.backoff_factor).clamp(min=self.min_scale),
-            torch.where(grow, (scale * self.growth_factor).clamp(max=MAX_SCALE), scale))
+            backoff,
+            (scale * self.backoff_factor).clamp(min=self.min_scale),
+            torch.where(grow, (scale * self.growth_factor).clamp(max=MAX_SCALE), scale),
+        )
         new_hyst = torch.where(inf, spent, torch.where(grow, self.hysteresis, hyst))
         new_growth = torch.where(inf | grow, 0, counted)
         scale.copy_(new_scale)
@@ -311,20 +338,24 @@ class DynamicGradScaler(GradScaler):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore ``state_dict()``; every value is validated first (nothing changes when one is
         refused)."""
-        _state_keys(state_dict, "DynamicGradScaler", {"scale", "growth_tracker",
-                                                      "hysteresis_tracker"})
+        _state_keys(
+            state_dict, "DynamicGradScaler", {"scale", "growth_tracker", "hysteresis_tracker"}
+        )
         value = _scale("scale", state_dict["scale"])
         growth = _integer("growth_tracker", state_dict["growth_tracker"], 0)
         try:
             hysteresis = _integer("hysteresis_tracker", state_dict["hysteresis_tracker"], 0)
         except ValueError as exc:
-            raise ValueError(f"{exc} (earlier mfsdp_optim releases let the tracker go below 0 "
-                             "after repeated overflows, meaning 'spent'; set it to 0)") from None
+            raise ValueError(
+                f"{exc} (earlier mfsdp_optim releases let the tracker go below 0 "
+                "after repeated overflows, meaning 'spent'; set it to 0)"
+            ) from None
         if growth >= self.growth_interval:
             raise ValueError(
                 f"growth_tracker must be < growth_interval ({self.growth_interval}), got {growth}: "
                 "the state was saved by a scaler with a larger growth_interval. Construct this "
-                "one with the same growth_interval, or set growth_tracker to 0.")
+                "one with the same growth_interval, or set growth_tracker to 0."
+            )
         self._pull()
         self._set_scale(value)
         self._device = {}

@@ -114,9 +114,12 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         if self.config.precision_aware is not None:
             aware = self.config.precision_aware
         self._precision_aware = bool(aware)
-        self._table = SlotTable(optimizer, self.model_chunks,
-                                filter_empty=self.config.filter_empty_shards,
-                                stats_group=self.config.grad_stats_group)
+        self._table = SlotTable(
+            optimizer,
+            self.model_chunks,
+            filter_empty=self.config.filter_empty_shards,
+            stats_group=self.config.grad_stats_group,
+        )
         self._stage = Stage.READY
         self._stats: GradStats | None = None
         self._preparer = Preparer()
@@ -204,11 +207,18 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
             if isinstance(buckets, Exception):
                 raise buckets
             zero = torch.zeros((), dtype=torch.float32)
-            return GradStats(zero, torch.zeros((), dtype=torch.int64) if count_zeros else None,
-                             torch.zeros((), dtype=torch.bool))
-        return reduce_buckets(buckets, norm_type=self.config.norm_type, count_zeros=count_zeros,
-                              group=self.config.grad_stats_group,
-                              host_sync=self.config.host_sync)
+            return GradStats(
+                zero,
+                torch.zeros((), dtype=torch.int64) if count_zeros else None,
+                torch.zeros((), dtype=torch.bool),
+            )
+        return reduce_buckets(
+            buckets,
+            norm_type=self.config.norm_type,
+            count_zeros=count_zeros,
+            group=self.config.grad_stats_group,
+            host_sync=self.config.host_sync,
+        )
 
     def _stats_of_current(self, count_zeros: bool) -> GradStats:
         buckets: Buckets | Exception
@@ -235,15 +245,25 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
             if self._route.fast:
                 # a plan recorded over this fast cache vouches for the params' local tensors
                 plan = self._preparer.plan
-                trust = plan is not None and self._fast.token is not None and (
-                    plan.fast_token is self._fast.token)
+                trust = (
+                    plan is not None
+                    and self._fast.token is not None
+                    and (plan.fast_token is self._fast.token)
+                )
                 token = self._fast.begin(self.optimizer, self._table, trust_locals=trust)
             self._fast_token = token
             buckets: Buckets | Exception = self._preparer.collect(
-                self._table.slots, cast_grads=not self._precision_aware,
-                group=self.config.grad_stats_group, fast_token=token)
-            if token is not None and trust and not self._preparer.replayed and (
-                    not self._fast.locals_ok()):
+                self._table.slots,
+                cast_grads=not self._precision_aware,
+                group=self.config.grad_stats_group,
+                fast_token=token,
+            )
+            if (
+                token is not None
+                and trust
+                and not self._preparer.replayed
+                and (not self._fast.locals_ok())
+            ):
                 self._fast.invalidate()  # a local tensor was replaced: generic now, rebuilt next
                 self._fast_token = None
             if scaler is not None and scaler.needs_unscale():
@@ -264,8 +284,9 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         self._fast.clear()
         self._fast_token = None
 
-    def _run_base_step(self, grad_divisor: torch.Tensor | None = None,
-                       found_inf: torch.Tensor | None = None) -> None:
+    def _run_base_step(
+        self, grad_divisor: torch.Tensor | None = None, found_inf: torch.Tensor | None = None
+    ) -> None:
         """The base step on the prepared grads, then restore cast grads. ``grad_divisor``: a
         folded clip (``route.fold_clip``), handed to the fused step as its ``grad_scale``;
         ``found_inf``: skip on the device (only where :meth:`_skips_on_device`)."""
@@ -278,8 +299,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
             else:
                 assert found_inf is None, "a device-side skip needs the fast step"
                 self._fast.clear()
-                base_step(opt, table.slots, decoupled=self._decoupled_grad,
-                          grad_scale=grad_divisor)
+                base_step(opt, table.slots, decoupled=self._decoupled_grad, grad_scale=grad_divisor)
         finally:
             self._fast.clear()
             self._fast_token = None
@@ -420,8 +440,9 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
             else:
                 scale_by_clip_coef_(self._preparer.work_locals, clip, stats.total_norm)
         try:
-            self._run_base_step(divisor, None if device_skip is None
-                                else device_skip.to(torch.float32))
+            self._run_base_step(
+                divisor, None if device_skip is None else device_skip.to(torch.float32)
+            )
         finally:
             self._stage = Stage.STEPPED
         if device_skip is not None:
@@ -434,8 +455,11 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         """Whether this step can skip an update on the device: the fast Adam step will run and
         every group is fused (torch's fused kernels take ``found_inf``). Elsewhere a skip needs
         a host read of found_inf (see ``docs/concepts.md``)."""
-        return (self._fast_token is not None and self._fast.ready(self.optimizer, self._table)
-                and self._fast.skips_on_device())
+        return (
+            self._fast_token is not None
+            and self._fast.ready(self.optimizer, self._table)
+            and self._fast.skips_on_device()
+        )
 
     # ------------------------------------------------------------------------------------------
     # checkpoints and grad scaler state
@@ -444,8 +468,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         """Every param in base-optimizer order: FQN, DTensor, and the DTensor again where the
         base optimizer steps it on this rank (None where the empty-shard filter leaves it out)."""
         self._table.sync()
-        return [ParamRecord(s.fqn, s.param, s.param if s.held else None)
-                for s in self._table.slots]
+        return [ParamRecord(s.fqn, s.param, s.param if s.held else None) for s in self._table.slots]
 
     @contextmanager
     def _held_groups(self) -> Iterator[None]:
@@ -481,8 +504,9 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         records = self._param_records()
         self.invalidate_caches()  # init_state_fn may create or replace state
         with self._held_groups():
-            return build_sharded_state_dict(self.optimizer, records, is_loading=is_loading,
-                                            init_state_fn=self._init_state_fn)
+            return build_sharded_state_dict(
+                self.optimizer, records, is_loading=is_loading, init_state_fn=self._init_state_fn
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """The base optimizer's stock torch state dict (what ``get_optimizer_state_dict`` reads).

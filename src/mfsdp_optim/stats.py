@@ -110,12 +110,11 @@ def get_grad_norm(
     return grad_stats(grads, norm_type=norm_type, group=group).total_norm
 
 
-def count_zeros(
-    grads: Iterable[DTensor], group: dist.ProcessGroup | None = None
-) -> torch.Tensor:
+def count_zeros(grads: Iterable[DTensor], group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Zero elements of the global tensors, each counted once: a 0-d int64 tensor, equal on every
     rank of ``group``. Each rank counts the zeros of the shards it is the canonical replica of
-    (coordinate 0 along every replicated mesh dim); the one collective of :func:`grad_stats` adds them. Exact up to
+    (coordinate 0 along every replicated mesh dim); the one collective of :func:`grad_stats` adds
+    them. Exact up to
     2**53 elements."""
     stats = grad_stats(grads, count_zeros=True, group=group)
     assert stats.num_zeros is not None
@@ -128,7 +127,8 @@ def clip_grads_with_norm_(
     total_norm: torch.Tensor,
     foreach: bool | None = None,
 ) -> None:
-    """Scale the ``.grad`` of every parameter in place by ``min(1, max_norm / (total_norm + 1e-6))``.
+    """Scale the ``.grad`` of every parameter in place by ``min(1, max_norm / (total_norm +
+    1e-6))``.
 
     torch's ``clip_grads_with_norm_`` convention: ``parameters`` is a tensor or an iterable of
     them (``model.parameters()``), parameters without a grad are skipped, and the parameters'
@@ -141,9 +141,7 @@ def clip_grads_with_norm_(
     max_norm = check_max_norm(max_norm)
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    by_device_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(
-        list
-    )
+    by_device_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for p in parameters:
         grad = p.grad
         if grad is None:

@@ -86,8 +86,9 @@ def build_sharded_state_dict(
     if not agree(digest(local, list(leaves.values())), group):
         keyspace, errors = merge(gather(local.description, group))
         if errors:
-            raise KeyspaceError("cannot build a rank-consistent optimizer state dict:" +
-                                _format(errors))
+            raise KeyspaceError(
+                "cannot build a rank-consistent optimizer state dict:" + _format(errors)
+            )
         leaves = _leaves(records, keyspace)
     state: dict[str, dict] = {}
     for rec in records:
@@ -116,7 +117,10 @@ def _leaves(records: Sequence[ParamRecord], keyspace: Keyspace) -> dict[str, tup
         hyper = keyspace.meta.get(rec.fqn)
         if hyper is None or rec.opt_param is None:
             continue
-        scalars = tuple((k, s.value, s.dtype if s.kind == "s" else None)
-                        for k, s in keyspace.state.get(rec.fqn, ()) if s.kind != "t")
+        scalars = tuple(
+            (k, s.value, s.dtype if s.kind == "s" else None)
+            for k, s in keyspace.state.get(rec.fqn, ())
+            if s.kind != "t"
+        )
         out[rec.fqn] = (tuple(sorted(hyper.items())), scalars)
     return out

@@ -59,7 +59,7 @@ def _split(path: tuple) -> tuple[str, str, tuple] | None:
     """(prefix, kind, rest) of a flattened optimizer key, or None for other keys."""
     for i, part in enumerate(path):
         if part in _KINDS and i + 1 < len(path):
-            return ".".join(map(str, path[:i])), str(part), tuple(path[i + 1:])
+            return ".".join(map(str, path[:i])), str(part), tuple(path[i + 1 :])
     return None
 
 
@@ -75,15 +75,19 @@ def _read_items(directory: str, keys: list[str]) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
         try:
-            dcp.load(target, storage_reader=SafeFileSystemReader(directory),
-                     planner=SafeLoadPlanner(), no_dist=True)
+            dcp.load(
+                target,
+                storage_reader=SafeFileSystemReader(directory),
+                planner=SafeLoadPlanner(),
+                no_dist=True,
+            )
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             raise_unsafe(exc)
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             raise CorruptCheckpointError(
-                f"{directory}: cannot read its small items ({type(exc).__name__}: "
-                f"{str(exc)[:500]})") from None
+                f"{directory}: cannot read its small items ({type(exc).__name__}: {str(exc)[:500]})"
+            ) from None
     return target
 
 
@@ -100,8 +104,10 @@ def _shard_errors(directory: str, md) -> list[str]:
                 errors.append(f"{directory}: missing shard file {name}")
         end = int(info.offset) + int(info.length)
         if 0 <= sizes[name] < end:
-            errors.append(f"{directory}: {name} is {sizes[name]} bytes but holds {index.fqn!r} "
-                          f"up to byte {end} (truncated)")
+            errors.append(
+                f"{directory}: {name} is {sizes[name]} bytes but holds {index.fqn!r} "
+                f"up to byte {end} (truncated)"
+            )
             sizes[name] = -2  # one message per file
     return errors
 
@@ -117,7 +123,8 @@ def _integrity(directory: str, verify: bool) -> tuple[dict, str]:
     if status == "complete":
         marker = check_checkpoint(directory, verify_checksums=verify)
         checked = "file sizes and .metadata SHA-256" + (
-            " and every item's CRC32" if verify and marker.get("checksums") else "")
+            " and every item's CRC32" if verify and marker.get("checksums") else ""
+        )
         return marker, f"{message}; checked {checked} against the marker"
     return {}, f"{message}; checked that every item lies inside an existing file"
 
@@ -143,8 +150,9 @@ def _collect(md) -> tuple[dict[str, dict], dict[str, tuple]]:
         entry = found.setdefault(prefix, {"format": 2, "params": {}, "torch_groups": {}})
 
         def param(fqn: str, entry: dict = entry) -> dict:
-            return entry["params"].setdefault(fqn, {"state": {}, "scalars": {}, "leaf": None,
-                                                    "hyper": {}})
+            return entry["params"].setdefault(
+                fqn, {"state": {}, "scalars": {}, "leaf": None, "hyper": {}}
+            )
 
         if kind == "param_groups" and len(rest) == 2:
             entry["format"] = "torch"
@@ -192,8 +200,9 @@ def _fill(found: dict, wanted: dict[str, tuple], values: dict[str, Any] | None) 
             for group in entry["torch_groups"].values():
                 hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
                 for fqn in group.get("params") or []:
-                    entry["params"].setdefault(str(fqn), {"state": {}, "scalars": {},
-                                                          "hyper": {}})["hyper"] = hyper
+                    entry["params"].setdefault(str(fqn), {"state": {}, "scalars": {}, "hyper": {}})[
+                        "hyper"
+                    ] = hyper
         entry.pop("torch_groups")
         entry["groups"] = _groups(entry.pop("params"), values is not None)
 
@@ -205,8 +214,9 @@ def _groups(params: dict[str, dict], have_values: bool) -> list[dict]:
         p = params[fqn]
         hyper = p.pop("hyper") if have_values else {}
         key = repr(sorted(hyper.items()))
-        g = groups.setdefault(key, {"hyperparameters": hyper if have_values else None,
-                                    "params": {}})
+        g = groups.setdefault(
+            key, {"hyperparameters": hyper if have_values else None, "params": {}}
+        )
         g["params"][fqn] = p
     return list(groups.values())
 
@@ -218,8 +228,9 @@ def _ranks_that_wrote(directory: str, marker: dict) -> int | None:
     return len(ranks) or None
 
 
-def inspect_checkpoint(directory: str, *, read_hyperparameters: bool = True,
-                       verify_checksums: bool = False) -> dict:
+def inspect_checkpoint(
+    directory: str, *, read_hyperparameters: bool = True, verify_checksums: bool = False
+) -> dict:
     """What the checkpoint in ``directory`` holds, after checking it is whole::
 
         {"directory", "status": line, "ranks": int | None, "files": int, "bytes_on_disk": int,
@@ -253,10 +264,14 @@ def inspect_checkpoint(directory: str, *, read_hyperparameters: bool = True,
         entry["with_state"] = sum(1 for p in params if p["state"] or p["scalars"])
         entry["state_bytes"] = sum(s["bytes"] for p in params for s in p["state"].values())
     files = [n for n in os.listdir(path) if os.path.isfile(os.path.join(path, n))]
-    return {"directory": path, "status": status, "ranks": _ranks_that_wrote(path, marker),
-            "files": len(files),
-            "bytes_on_disk": sum(os.path.getsize(os.path.join(path, n)) for n in files),
-            "optimizers": {k: found[k] for k in sorted(found)}}
+    return {
+        "directory": path,
+        "status": status,
+        "ranks": _ranks_that_wrote(path, marker),
+        "files": len(files),
+        "bytes_on_disk": sum(os.path.getsize(os.path.join(path, n)) for n in files),
+        "optimizers": {k: found[k] for k in sorted(found)},
+    }
 
 
 def _fmt(value: Any) -> str:
@@ -273,8 +288,11 @@ def _size(n: int) -> str:
 
 
 def _layout_name(fmt: Any) -> str:
-    return {2: "fsdp_dtensor (format 2)", 1: "fsdp_dtensor (format 1, mfsdp_optim 0.1.0)",
-            "torch": "torch (get_optimizer_state_dict)"}[fmt]
+    return {
+        2: "fsdp_dtensor (format 2)",
+        1: "fsdp_dtensor (format 1, mfsdp_optim 0.1.0)",
+        "torch": "torch (get_optimizer_state_dict)",
+    }[fmt]
 
 
 def _render(report: dict) -> str:
@@ -282,10 +300,12 @@ def _render(report: dict) -> str:
     if not report["optimizers"]:
         lines.append("it holds no optimizer state (no '<prefix>.state.<fqn>.<key>' entries)")
     for prefix, entry in report["optimizers"].items():
-        lines.append(f"[{prefix or '<root>'}] layout {_layout_name(entry['format'])}: "
-                     f"{entry['params']} params, {entry['with_state']} with state, "
-                     f"{len(entry['groups'])} group(s), {_size(entry['state_bytes'])} of state "
-                     "tensors")
+        lines.append(
+            f"[{prefix or '<root>'}] layout {_layout_name(entry['format'])}: "
+            f"{entry['params']} params, {entry['with_state']} with state, "
+            f"{len(entry['groups'])} group(s), {_size(entry['state_bytes'])} of state "
+            "tensors"
+        )
         for gi, group in enumerate(entry["groups"]):
             hyper = group["hyperparameters"]
             if hyper is None:
@@ -297,18 +317,24 @@ def _render(report: dict) -> str:
             for fqn, p in group["params"].items():
                 state = ", ".join(
                     f"{k} {s['dtype']} {'x'.join(map(str, s['shape'])) or 'scalar'}"
-                    for k, s in sorted(p["state"].items()))
-                scalars = ", ".join(f"{k}={_fmt(v) if v is not None else '(not read)'}"
-                                    for k, v in sorted(p["scalars"].items()))
+                    for k, s in sorted(p["state"].items())
+                )
+                scalars = ", ".join(
+                    f"{k}={_fmt(v) if v is not None else '(not read)'}"
+                    for k, v in sorted(p["scalars"].items())
+                )
                 body = "; ".join(x for x in (state, scalars) if x) or (
-                    "no state (never stepped when saved)")
+                    "no state (never stepped when saved)"
+                )
                 lines.append(f"    {fqn:<{width}}  {body}")
     ranks = report["ranks"]
-    lines.append(f"totals: {sum(e['params'] for e in report['optimizers'].values())} params, "
-                 f"{_size(sum(e['state_bytes'] for e in report['optimizers'].values()))} of "
-                 f"state tensors; {report['files']} files, {_size(report['bytes_on_disk'])} on "
-                 f"disk; written by {ranks if ranks is not None else 'an unknown number of'} "
-                 "rank(s)")
+    lines.append(
+        f"totals: {sum(e['params'] for e in report['optimizers'].values())} params, "
+        f"{_size(sum(e['state_bytes'] for e in report['optimizers'].values()))} of "
+        f"state tensors; {report['files']} files, {_size(report['bytes_on_disk'])} on "
+        f"disk; written by {ranks if ranks is not None else 'an unknown number of'} "
+        "rank(s)"
+    )
     return "\n".join(lines)
 
 
@@ -323,23 +349,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m mfsdp_optim.checkpoint",
         description="Inspect a torch.distributed.checkpoint optimizer checkpoint. Exit status: "
-                    "0 whole, 2 bad input, 3 incomplete or damaged.")
+        "0 whole, 2 bad input, 3 incomplete or damaged.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    ins = sub.add_parser("inspect", help="check a checkpoint and list its groups, params, "
-                                         "shapes, dtypes and totals")
+    ins = sub.add_parser(
+        "inspect", help="check a checkpoint and list its groups, params, shapes, dtypes and totals"
+    )
     ins.add_argument("directory")
     ins.add_argument("--json", action="store_true", help="print one JSON document")
-    ins.add_argument("--no-values", action="store_true",
-                     help="read nothing but .metadata (hyperparameters and steps not shown)")
-    ins.add_argument("--verify", action="store_true",
-                     help="also check every item's CRC32 (reads every byte)")
+    ins.add_argument(
+        "--no-values",
+        action="store_true",
+        help="read nothing but .metadata (hyperparameters and steps not shown)",
+    )
+    ins.add_argument(
+        "--verify", action="store_true", help="also check every item's CRC32 (reads every byte)"
+    )
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: 2 on bad usage, 0 on --help
         return int(exc.code or 0)
     try:
-        report = inspect_checkpoint(args.directory, read_hyperparameters=not args.no_values,
-                                    verify_checksums=args.verify)
+        report = inspect_checkpoint(
+            args.directory, read_hyperparameters=not args.no_values, verify_checksums=args.verify
+        )
     except FileNotFoundError as exc:
         return _fail(2, str(exc))
     except UnsafeCheckpointError as exc:
@@ -347,8 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     except (IncompleteCheckpointError, CorruptCheckpointError) as exc:
         return _fail(3, str(exc))
     except (pickle.UnpicklingError, EOFError, ValueError, OSError) as exc:
-        return _fail(3, f"{args.directory}: .metadata is damaged or not DCP's "
-                        f"({type(exc).__name__}: {exc})")
+        return _fail(
+            3, f"{args.directory}: .metadata is damaged or not DCP's ({type(exc).__name__}: {exc})"
+        )
     if args.json:
         print(json.dumps(report, indent=1, default=repr))
     else:

@@ -47,9 +47,13 @@ def from_torch_state_dict(osd: dict) -> dict:
         )
     hyper_of: dict[str, tuple] = {}
     for gi, group in enumerate(osd["param_groups"]):
-        hyper = tuple(sorted(
-            (k, to_plain(v, f"param_groups[{gi}][{k!r}]")) for k, v in group.items()
-            if k not in EXCLUDED_GROUP_KEYS))
+        hyper = tuple(
+            sorted(
+                (k, to_plain(v, f"param_groups[{gi}][{k!r}]"))
+                for k, v in group.items()
+                if k not in EXCLUDED_GROUP_KEYS
+            )
+        )
         for fqn in group["params"]:
             if not isinstance(fqn, str):
                 raise ValueError(
@@ -63,11 +67,15 @@ def from_torch_state_dict(osd: dict) -> dict:
     scalars: dict[str, tuple] = {}
     for fqn, entry in state.items():
         tensors[fqn] = {k: v for k, v in entry.items() if _is_param_shaped(v)}
-        scalars[fqn] = tuple(sorted(_scalar(fqn, k, v) for k, v in entry.items()
-                                    if not _is_param_shaped(v)))
-    return {"state": {fqn: e for fqn, e in tensors.items() if e},
-            "param_to_group_meta": {fqn: (hyper, scalars.get(fqn, ()))
-                                    for fqn, hyper in hyper_of.items()}}
+        scalars[fqn] = tuple(
+            sorted(_scalar(fqn, k, v) for k, v in entry.items() if not _is_param_shaped(v))
+        )
+    return {
+        "state": {fqn: e for fqn, e in tensors.items() if e},
+        "param_to_group_meta": {
+            fqn: (hyper, scalars.get(fqn, ())) for fqn, hyper in hyper_of.items()
+        },
+    }
 
 
 def _is_param_shaped(value: Any) -> bool:
@@ -99,5 +107,7 @@ def to_torch_state_dict(sd: dict) -> dict:
         if key not in groups:
             groups[key] = {**hyper, "params": []}
         groups[key]["params"].append(fqn)
-    return {"state": {fqn: dict(entry) for fqn, entry in sd["state"].items()},
-            "param_groups": list(groups.values())}
+    return {
+        "state": {fqn: dict(entry) for fqn, entry in sd["state"].items()},
+        "param_groups": list(groups.values()),
+    }

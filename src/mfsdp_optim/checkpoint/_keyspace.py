@@ -70,8 +70,11 @@ def _group_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
     return {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
 
 
-def derive_signature(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype,
-                     ) -> Signature:
+def derive_signature(
+    optimizer: torch.optim.Optimizer,
+    group: dict,
+    dtype: torch.dtype,
+) -> Signature:
     """The parameter-shaped state keys and dtypes that ``type(optimizer)``'s first step creates
     for a param of ``dtype`` in a group with ``group``'s hyperparameters, learned by stepping a
     scratch copy on ONE zero-element param (nothing of ``optimizer`` is touched). Keys whose first
@@ -91,8 +94,13 @@ def derive_signature(optimizer: torch.optim.Optimizer, group: dict, dtype: torch
     except Exception:  # noqa: BLE001 - any failure just means "learn it from the owners"
         return (("?", "?"),)
     new = scratch.state.get(p) or {}
-    return tuple(sorted((k, dtype_name(v.dtype)) for k, v in new.items()
-                        if isinstance(v, torch.Tensor) and v.shape == p.shape))
+    return tuple(
+        sorted(
+            (k, dtype_name(v.dtype))
+            for k, v in new.items()
+            if isinstance(v, torch.Tensor) and v.shape == p.shape
+        )
+    )
 
 
 def describe(optimizer: torch.optim.Optimizer, records: Sequence[ParamRecord]) -> LocalState:
@@ -150,8 +158,9 @@ def describe(optimizer: torch.optim.Optimizer, records: Sequence[ParamRecord]) -
             continue
         sid = -1
         if rec.fqn in state:
-            sig = tuple(sorted((k, s.kind, s.dtype, s.value) for k, (s, _) in
-                               state[rec.fqn].items()))
+            sig = tuple(
+                sorted((k, s.kind, s.dtype, s.value) for k, (s, _) in state[rec.fqn].items())
+            )
             sid = slot_index.setdefault(sig, len(slots))
             if sid == len(slots):
                 slots.append(sig)
@@ -170,16 +179,18 @@ def _signatures(optimizer, records, state, group_of) -> dict[str, Signature]:
     for rec in records:
         entries = state.get(rec.fqn)
         if entries is not None:
-            out[rec.fqn] = tuple(sorted((k, s.dtype or "") for k, (s, _) in entries.items()
-                                        if s.kind == "t"))
+            out[rec.fqn] = tuple(
+                sorted((k, s.dtype or "") for k, (s, _) in entries.items() if s.kind == "t")
+            )
             continue
         if rec.opt_param is not None:
             out[rec.fqn] = ()  # held but never stepped here: no state, as on its other ranks
             continue
         # dropped by the empty-shard filter: not in any group here, so the class's defaults
         if rec.param.dtype not in derived:
-            derived[rec.param.dtype] = derive_signature(optimizer, optimizer.defaults,
-                                                        rec.param.dtype)
+            derived[rec.param.dtype] = derive_signature(
+                optimizer, optimizer.defaults, rec.param.dtype
+            )
         out[rec.fqn] = derived[rec.param.dtype]
     return out
 

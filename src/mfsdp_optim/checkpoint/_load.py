@@ -48,8 +48,10 @@ class StateDictMismatchError(ValueError):
 def _scalar_value(fqn: str, item: Any) -> tuple[str, Any]:
     """``(key, value)`` of one ``(key, value, dtype)`` scalar triple of a format-2 leaf."""
     if not (isinstance(item, tuple) and len(item) == 3 and isinstance(item[0], str)):
-        raise ValueError(f"param_to_group_meta {fqn!r}: a scalar entry must be (key, value, "
-                         f"dtype name or None), got {item!r}")
+        raise ValueError(
+            f"param_to_group_meta {fqn!r}: a scalar entry must be (key, value, "
+            f"dtype name or None), got {item!r}"
+        )
     key, value, dtype = item
     return key, value if dtype is None else torch.tensor(value, dtype=dtype_from_name(dtype))
 
@@ -59,8 +61,11 @@ def as_format1(sd: dict) -> dict:
     turned into 0.1.0's form: a hyperparameter dict, and the scalars (as 0-d tensors of their
     dtype, or plain values) back inside ``state[fqn]``. Format-1 entries pass through; tensors
     are shared, ``sd`` is not mutated. Raises ``ValueError`` naming the FQN of a malformed leaf."""
-    if not isinstance(sd, dict) or not isinstance(sd.get("param_to_group_meta"), dict) or (
-            not isinstance(sd.get("state"), dict)):
+    if (
+        not isinstance(sd, dict)
+        or not isinstance(sd.get("param_to_group_meta"), dict)
+        or (not isinstance(sd.get("state"), dict))
+    ):
         return sd
     state = dict(sd["state"])
     meta: dict[str, Any] = {}
@@ -69,12 +74,16 @@ def as_format1(sd: dict) -> dict:
             meta[fqn] = leaf
             continue
         if len(leaf) != 2 or not all(isinstance(part, tuple) for part in leaf):
-            raise ValueError(f"param_to_group_meta {fqn!r}: expected a dict (format 1) or a "
-                             f"(hyperparameters, scalars) tuple (format 2), got {leaf!r}")
+            raise ValueError(
+                f"param_to_group_meta {fqn!r}: expected a dict (format 1) or a "
+                f"(hyperparameters, scalars) tuple (format 2), got {leaf!r}"
+            )
         hyper, scalars = leaf
         if not all(isinstance(kv, tuple) and len(kv) == 2 for kv in hyper):
-            raise ValueError(f"param_to_group_meta {fqn!r}: hyperparameters must be (name, "
-                             f"value) pairs, got {hyper!r}")
+            raise ValueError(
+                f"param_to_group_meta {fqn!r}: hyperparameters must be (name, "
+                f"value) pairs, got {hyper!r}"
+            )
         meta[fqn] = dict(hyper)
         if scalars:
             entry = dict(state.get(fqn) or {})
@@ -103,16 +112,16 @@ def _check_tensor(fqn, key, value, live, param) -> list[str]:
         out.append(f"{where}: global shape {tuple(value.shape)}, expected {tuple(param.shape)}")
     if live is not None and value.dtype != live.dtype:
         out.append(f"{where}: dtype {value.dtype}, expected {live.dtype}")
-    if value.device_mesh != param.device_mesh or tuple(value.placements) != tuple(
-        param.placements
-    ):
+    if value.device_mesh != param.device_mesh or tuple(value.placements) != tuple(param.placements):
         out.append(
             f"{where}: layout {value.device_mesh} {tuple(value.placements)}, expected the "
             f"param's {param.device_mesh} {tuple(param.placements)}"
         )
     elif value._local_tensor.shape != local_shape(param):
-        out.append(f"{where}: local shape {tuple(value._local_tensor.shape)}, expected "
-                   f"{tuple(local_shape(param))}")
+        out.append(
+            f"{where}: local shape {tuple(value._local_tensor.shape)}, expected "
+            f"{tuple(local_shape(param))}"
+        )
     return out
 
 
@@ -147,8 +156,9 @@ def _check_entry(rec: ParamRecord, entry: Any, live: dict | None) -> list[str]:
             except StateLayoutError as exc:
                 out.append(str(exc))
                 continue
-        if (slot is not None and slot.kind == "t") or (slot is None and isinstance(value, DTensor)
-                                                      and value.dim() > 0):
+        if (slot is not None and slot.kind == "t") or (
+            slot is None and isinstance(value, DTensor) and value.dim() > 0
+        ):
             out += _check_tensor(rec.fqn, key, value, lv, rec.param)
         elif live and key not in live:
             continue  # already listed as unexpected
@@ -160,8 +170,10 @@ def _check_entry(rec: ParamRecord, entry: Any, live: dict | None) -> list[str]:
 def _validate(optimizer, records: Sequence[ParamRecord], sd: Any) -> list[str]:
     if not isinstance(sd, dict) or set(sd) != _TOP_KEYS:
         got = sorted(sd) if isinstance(sd, dict) else type(sd).__name__
-        return [f"expected a dict with exactly the keys {sorted(_TOP_KEYS)}, got {got} (convert "
-                "the layout of get_optimizer_state_dict with from_torch_state_dict)"]
+        return [
+            f"expected a dict with exactly the keys {sorted(_TOP_KEYS)}, got {got} (convert "
+            "the layout of get_optimizer_state_dict with from_torch_state_dict)"
+        ]
     state, meta = sd["state"], sd["param_to_group_meta"]
     if not isinstance(state, dict) or not isinstance(meta, dict):
         return ["'state' and 'param_to_group_meta' must be dicts keyed by FQN"]
@@ -169,8 +181,7 @@ def _validate(optimizer, records: Sequence[ParamRecord], sd: Any) -> list[str]:
     held = [r for r in records if r.opt_param is not None]
     errors = _listing("unexpected FQNs in 'state'", set(state) - set(by_fqn))
     errors += _listing("unexpected FQNs in 'param_to_group_meta'", set(meta) - set(by_fqn))
-    errors += _listing("missing FQNs in 'param_to_group_meta'",
-                       {r.fqn for r in held} - set(meta))
+    errors += _listing("missing FQNs in 'param_to_group_meta'", {r.fqn for r in held} - set(meta))
     group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
     seen_group_meta: dict[int, tuple[str, Any]] = {}
     for rec in held:
@@ -184,18 +195,22 @@ def _validate(optimizer, records: Sequence[ParamRecord], sd: Any) -> list[str]:
                 errors.append(f"param_to_group_meta {rec.fqn!r}: expected a dict")
                 continue
             names = set(optimizer.param_groups[gi]) - EXCLUDED_GROUP_KEYS
-            errors += _listing(f"param_to_group_meta {rec.fqn!r}: missing hyperparameters",
-                               names - set(hyper))
-            errors += _listing(f"param_to_group_meta {rec.fqn!r}: unexpected hyperparameters",
-                               set(hyper) - names)
+            errors += _listing(
+                f"param_to_group_meta {rec.fqn!r}: missing hyperparameters", names - set(hyper)
+            )
+            errors += _listing(
+                f"param_to_group_meta {rec.fqn!r}: unexpected hyperparameters", set(hyper) - names
+            )
             try:
                 plain = to_plain(tuple(sorted(hyper.items())), f"param_to_group_meta {rec.fqn!r}")
             except PlainValueError as exc:
                 errors.append(str(exc))
                 continue
             if gi in seen_group_meta and seen_group_meta[gi][1] != plain:
-                errors.append(f"{seen_group_meta[gi][0]!r} and {rec.fqn!r} share param group {gi}"
-                              " but their hyperparameters in the state dict differ")
+                errors.append(
+                    f"{seen_group_meta[gi][0]!r} and {rec.fqn!r} share param group {gi}"
+                    " but their hyperparameters in the state dict differ"
+                )
             seen_group_meta.setdefault(gi, (rec.fqn, plain))
         if rec.fqn in state:
             errors += _check_entry(rec, state[rec.fqn], optimizer.state.get(rec.opt_param))
@@ -215,13 +230,20 @@ def _agree(errors: list[str], group) -> list[str]:
     for rank, errs in enumerate(gathered):
         for e in errs:
             by_message.setdefault(e, []).append(rank)
-    return [f"{e} (rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))})"
-            for e, r in by_message.items()]
+    return [
+        f"{e} (rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))})"
+        for e, r in by_message.items()
+    ]
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-            and a.data_ptr() == b.data_ptr() and a.device == b.device)
+    return (
+        a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.data_ptr() == b.data_ptr()
+        and a.device == b.device
+    )
 
 
 def _apply(optimizer, records: Sequence[ParamRecord], sd: dict) -> None:
@@ -244,8 +266,11 @@ def _apply(optimizer, records: Sequence[ParamRecord], sd: dict) -> None:
         entry = {}
         for key, value in state[rec.fqn].items():
             lv = live.get(key)
-            if isinstance(value, DTensor) and value.dim() > 0 or (
-                    isinstance(lv, torch.Tensor) and lv.dim() > 0):
+            if (
+                isinstance(value, DTensor)
+                and value.dim() > 0
+                or (isinstance(lv, torch.Tensor) and lv.dim() > 0)
+            ):
                 src = value._local_tensor
                 if lv is None:
                     entry[key] = value if isinstance(rec.opt_param, DTensor) else src
@@ -294,6 +319,7 @@ def load_sharded_state_dict(
         more = f"\n  ... and {len(errors) - 40} more" if len(errors) > 40 else ""
         raise StateDictMismatchError(
             "optimizer state dict does not match the optimizer (nothing was loaded):\n  "
-            + "\n  ".join(shown) + more
+            + "\n  ".join(shown)
+            + more
         )
     _apply(optimizer, records, state_dict)

@@ -36,8 +36,12 @@ def _snapshot(optimizer: torch.optim.Optimizer) -> list[dict]:
 
 def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-                and a.shape == b.shape and bool(torch.equal(a.detach().cpu(), b.detach().cpu())))
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and bool(torch.equal(a.detach().cpu(), b.detach().cpu()))
+        )
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return a == b or (a != a and b != b)  # NaN hyperparameters compare equal to themselves
@@ -96,21 +100,27 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             k: (_zero_step(v) if k == "step" else v) for k, v in new.items()
         }
     # group-level step (apex / TE FusedAdam keep ``step`` in the group): materialise it as 0
-    touched = [gi for gi, g in enumerate(optimizer.param_groups)
-               if any(id(p) in missing_ids for p in g["params"])]
+    touched = [
+        gi
+        for gi, g in enumerate(optimizer.param_groups)
+        if any(id(p) in missing_ids for p in g["params"])
+    ]
     for gi, sg in zip(touched, groups, strict=True):
         live = optimizer.param_groups[gi]
         if "step" in sg and "step" not in live:
             step = sg["step"]
-            live["step"] = step.detach().clone().zero_() if isinstance(step, torch.Tensor) else (
-                type(step)(0))
+            live["step"] = (
+                step.detach().clone().zero_() if isinstance(step, torch.Tensor) else (type(step)(0))
+            )
             before[gi]["step"] = live["step"]
 
     moved = [p for p, v in versions if p._version != v]
     after = _snapshot(optimizer)
     changed = [
-        (gi, k) for gi, (b, a) in enumerate(zip(before, after, strict=True))
-        for k in set(b) | set(a) if not _same(b.get(k), a.get(k))
+        (gi, k)
+        for gi, (b, a) in enumerate(zip(before, after, strict=True))
+        for k in set(b) | set(a)
+        if not _same(b.get(k), a.get(k))
     ]
     if moved or changed:
         raise RuntimeError(

@@ -35,8 +35,13 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-__all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "UnsafeCheckpointError",
-           "raise_unsafe", "safe_read_metadata"]
+__all__ = [
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "UnsafeCheckpointError",
+    "raise_unsafe",
+    "safe_read_metadata",
+]
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _ALLOWED: dict[str, set[str] | None] = {
@@ -60,8 +65,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         self._where = where
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype,
-                                                                          torch.layout)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout)
+        ):
             return getattr(torch, name)
         allowed = _ALLOWED.get(module, set())
         if allowed is None:

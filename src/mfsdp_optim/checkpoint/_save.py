@@ -112,7 +112,8 @@ def _collective_failed(exc: BaseException) -> RuntimeError:
     return RuntimeError(
         "a checkpoint collective failed or timed out: some rank of the process group did not "
         "reach save_checkpoint/load_checkpoint (it died, was killed, or is running other code); "
-        f"nothing was published or loaded. Cause: {type(exc).__name__}: {exc}")
+        f"nothing was published or loaded. Cause: {type(exc).__name__}: {exc}"
+    )
 
 
 def _broadcast(obj: Any, group) -> Any:
@@ -133,19 +134,25 @@ def _raise_agreed(errors: list[tuple[str, str] | None], what: str) -> None:
     found = [(r, e) for r, e in enumerate(errors) if e is not None]
     if not found:
         return
-    kinds = {"IncompleteCheckpointError": IncompleteCheckpointError,
-             "CorruptCheckpointError": CorruptCheckpointError,
-             "RankDisagreementError": RankDisagreementError,
-             "StateDictMismatchError": StateDictMismatchError,
-             "UnsafeCheckpointError": UnsafeCheckpointError,
-             "FileExistsError": FileExistsError, "FileNotFoundError": FileNotFoundError,
-             "ValueError": ValueError, "TypeError": TypeError}
+    kinds = {
+        "IncompleteCheckpointError": IncompleteCheckpointError,
+        "CorruptCheckpointError": CorruptCheckpointError,
+        "RankDisagreementError": RankDisagreementError,
+        "StateDictMismatchError": StateDictMismatchError,
+        "UnsafeCheckpointError": UnsafeCheckpointError,
+        "FileExistsError": FileExistsError,
+        "FileNotFoundError": FileNotFoundError,
+        "ValueError": ValueError,
+        "TypeError": TypeError,
+    }
     kind = kinds.get(found[0][1][0], RuntimeError)
     lines: dict[str, list[int]] = {}
     for r, (_, msg) in found:
         lines.setdefault(msg, []).append(r)
-    body = "\n  ".join(f"{m} (rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))})"
-                       for m, rs in list(lines.items())[:20])
+    body = "\n  ".join(
+        f"{m} (rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))})"
+        for m, rs in list(lines.items())[:20]
+    )
     raise kind(f"{what}:\n  {body}")
 
 
@@ -172,11 +179,15 @@ def _signature(value: Any, values: bool, meshes: dict[int, tuple]) -> tuple:
         ranks = meshes.get(id(m))
         if ranks is None:
             ranks = meshes[id(m)] = tuple(torch.as_tensor(m.mesh).flatten().tolist())
-        return ("dtensor", tuple(value.shape), str(value.dtype), ranks,
-                tuple(str(p) for p in value.placements))
+        return (
+            "dtensor",
+            tuple(value.shape),
+            str(value.dtype),
+            ranks,
+            tuple(str(p) for p in value.placements),
+        )
     if isinstance(value, torch.Tensor):
-        shown = (value.detach().cpu().flatten().tolist() if values and value.numel() <= 16
-                 else None)
+        shown = value.detach().cpu().flatten().tolist() if values and value.numel() <= 16 else None
         return ("tensor", tuple(value.shape), str(value.dtype), shown)
     text = repr(value) if values else ""
     if len(text) > 200:  # shown cut short, compared whole
@@ -202,8 +213,9 @@ def _check_agreement(sigs: list[dict[str, tuple]], ranks: list[int]) -> list[str
                 seen[key] = (rank, s)
             elif seen[key][1] != s:
                 r0, s0 = seen[key]
-                errors.append(f"{key!r}: rank {r0} has {_describe(s0)}, rank {rank} has "
-                              f"{_describe(s)}")
+                errors.append(
+                    f"{key!r}: rank {r0} has {_describe(s0)}, rank {rank} has {_describe(s)}"
+                )
     members = set(ranks)
     for key, (_, s) in seen.items():
         if s[0] == "dtensor":
@@ -246,7 +258,8 @@ def _agree_on_directory(paths: list[str], verb: str, nothing: str) -> None:
     raise RankDisagreementError(
         f"ranks disagree on the checkpoint directory to {verb} ({nothing}): {shown}. Every rank "
         "must pass the same path (one checkpoint holds every rank's shards); build it from "
-        "values all ranks share (the step, not the rank or a per-rank timestamp).")
+        "values all ranks share (the step, not the rank or a per-rank timestamp)."
+    )
 
 
 _RESERVED = re.compile(re.escape(STAGING_SUFFIX) + r"$|\.old-[0-9a-f]{8}$")
@@ -258,7 +271,8 @@ def _check_name(final: str) -> None:
         raise ValueError(
             f"{final}: names ending in {STAGING_SUFFIX!r} or '.old-<8 hex digits>' are reserved "
             "for the staging and replaced directories of save_checkpoint (loading and inspect "
-            "would read it as an unfinished or stale save). Choose another name.")
+            "would read it as an unfinished or stale save). Choose another name."
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,9 +322,13 @@ def _crc_range(f, start: int, length: int) -> int:
 
 
 def _item_record(index, info) -> dict:
-    return {"key": index.fqn,
-            "chunk": None if index.offset is None else list(index.offset),
-            "file": info.relative_path, "start": int(info.offset), "length": int(info.length)}
+    return {
+        "key": index.fqn,
+        "chunk": None if index.offset is None else list(index.offset),
+        "file": info.relative_path,
+        "start": int(info.offset),
+        "length": int(info.length),
+    }
 
 
 def _checksum_items(directory: str, items: list[dict]) -> list[dict]:
@@ -372,7 +390,8 @@ def save_checkpoint(
     ``overwrite=True``; the old one is then replaced after the new one is complete, in one atomic
     directory exchange where the OS offers it, so the name always holds a whole checkpoint, the
     old or the new one (see docs/reliability.md for the fallback). A stale
-    ``<directory>.incomplete`` from a crashed save is deleted first. ``writer_cls`` (a ``FileSystemWriter`` subclass) and
+    ``<directory>.incomplete`` from a crashed save is deleted first. ``writer_cls`` (a
+    ``FileSystemWriter`` subclass) and
     ``thread_count`` go to DCP.
     """
     rank, world, _ = _dist(process_group)
@@ -386,8 +405,9 @@ def save_checkpoint(
             if os.path.exists(final) and not overwrite:
                 raise FileExistsError(f"{final} already exists; pass overwrite=True to replace it")
             if os.path.exists(final) and not os.path.isdir(final):
-                raise FileExistsError(f"{final} exists and is not a directory; remove it or "
-                                      "choose another name")
+                raise FileExistsError(
+                    f"{final} exists and is not a directory; remove it or choose another name"
+                )
             if os.path.exists(staging):
                 shutil.rmtree(staging)  # what a crashed earlier save left behind
             os.makedirs(staging)
@@ -404,9 +424,10 @@ def save_checkpoint(
         _agree_on_directory([g[2] for g in gathered], "save into", "nothing written")
         errors = _check_agreement([g[0] for g in gathered], _group_ranks(process_group, world))
         if errors:
-            _raise_agreed([("RankDisagreementError", "\n  ".join(errors[:30]))],
-                          f"ranks disagree on the state dict to save into {final} "
-                          "(nothing written)")
+            _raise_agreed(
+                [("RankDisagreementError", "\n  ".join(errors[:30]))],
+                f"ranks disagree on the state dict to save into {final} (nothing written)",
+            )
     except BaseException:
         if created:  # rank 0's empty staging directory: leave nothing behind
             shutil.rmtree(staging, ignore_errors=True)
@@ -424,7 +445,8 @@ def save_checkpoint(
         raise RuntimeError(
             f"dcp.save of {final} failed ({type(exc).__name__}: {str(exc)[:2000]}); a rank "
             "probably died or was killed during the save. Nothing was published: the previous "
-            f"checkpoint is untouched and the partial files are in {staging}.") from exc
+            f"checkpoint is untouched and the partial files are in {staging}."
+        ) from exc
     t_save = time.perf_counter() - t0
 
     report: tuple[list[dict], tuple[str, str] | None]
@@ -441,10 +463,20 @@ def save_checkpoint(
         try:
             failed = [r for r, (_, e) in enumerate(reports) if e is not None]
             if failed:
-                raise RuntimeError(f"ranks {failed} could not checksum their files: "
-                                   f"{[reports[r][1] for r in failed]}")
-            _publish(staging, final, reports, checksums, overwrite, world, metadata,
-                     {"dcp_save_s": t_save, "checksum_s": t_crc})
+                raise RuntimeError(
+                    f"ranks {failed} could not checksum their files: "
+                    f"{[reports[r][1] for r in failed]}"
+                )
+            _publish(
+                staging,
+                final,
+                reports,
+                checksums,
+                overwrite,
+                world,
+                metadata,
+                {"dcp_save_s": t_save, "checksum_s": t_crc},
+            )
         except Exception as exc:
             verdict = _as_error(exc)
     verdict = _broadcast(verdict, process_group)
@@ -483,8 +515,9 @@ def _publish(staging, final, reports, checksums, overwrite, world, metadata, tim
         os.rename(staging, final)
         _fsync_dir(parent)
     elif not overwrite:
-        raise FileExistsError(f"{final} appeared while saving; the new checkpoint stays in "
-                              f"{staging}")
+        raise FileExistsError(
+            f"{final} appeared while saving; the new checkpoint stays in {staging}"
+        )
     elif _exchange(staging, final):
         # one atomic step: before it the name holds the old checkpoint, after it the new one;
         # the old one now sits under the staging name, which every reader treats as stale
@@ -535,8 +568,11 @@ def _replaced(path: str) -> str | None:
     except OSError:
         return None
     for name in names:
-        if name.startswith(base + ".old-") and _RESERVED.search(name) and os.path.isfile(
-                os.path.join(parent, name, COMPLETE_MARKER)):
+        if (
+            name.startswith(base + ".old-")
+            and _RESERVED.search(name)
+            and os.path.isfile(os.path.join(parent, name, COMPLETE_MARKER))
+        ):
             return os.path.join(parent, name)
     return None
 
@@ -551,46 +587,59 @@ def checkpoint_status(directory: str | os.PathLike) -> tuple[str, str]:
     marker: written by plain ``dcp.save``), ``"incomplete"`` or ``"missing"``."""
     path = os.path.abspath(os.fspath(directory))
     if not os.path.exists(path) and _replaced(path) is not None:
-        return "complete", (f"{path}: complete (mfsdp_optim save_checkpoint; an overwrite of "
-                            f"it crashed, so the name resolves to the previous one, "
-                            f"{_replaced(path)})")
+        return "complete", (
+            f"{path}: complete (mfsdp_optim save_checkpoint; an overwrite of "
+            f"it crashed, so the name resolves to the previous one, "
+            f"{_replaced(path)})"
+        )
     if path.endswith(STAGING_SUFFIX):
         return "incomplete", (
             f"{path}: INCOMPLETE checkpoint: this is the staging directory of a save that never "
             "finished (a rank died or was killed during the save, or it is still running); it "
-            "was never published. Load the previous checkpoint; delete this directory.")
+            "was never published. Load the previous checkpoint; delete this directory."
+        )
     if not os.path.isdir(path):
         if os.path.isdir(path + STAGING_SUFFIX):
             return "incomplete", (
                 f"{path}: INCOMPLETE checkpoint: the save never finished (a rank died or was "
                 f"killed during it, or it is still running); what it wrote is in "
-                f"{path + STAGING_SUFFIX}. Load the previous checkpoint.")
+                f"{path + STAGING_SUFFIX}. Load the previous checkpoint."
+            )
         return "missing", f"{path}: no such checkpoint directory"
     names = set(os.listdir(path))
     if COMPLETE_MARKER in names:
         return "complete", f"{path}: complete (mfsdp_optim save_checkpoint)"
     if ".metadata" in names:
-        return "dcp", (f"{path}: a finished DCP checkpoint without this package's completion "
-                       "marker (written by plain dcp.save)")
+        return "dcp", (
+            f"{path}: a finished DCP checkpoint without this package's completion "
+            "marker (written by plain dcp.save)"
+        )
     if any(n.endswith(".distcp") for n in names):
         return "incomplete", (
             f"{path}: INCOMPLETE checkpoint: shard files but no .metadata, so the DCP save never "
-            "finished (a rank died or was killed during it). Load the previous checkpoint.")
-    return "missing", (f"{path}: no .metadata file, so this is not a finished DCP checkpoint (the "
-                       "save did not complete, or the path names another directory)")
+            "finished (a rank died or was killed during it). Load the previous checkpoint."
+        )
+    return "missing", (
+        f"{path}: no .metadata file, so this is not a finished DCP checkpoint (the "
+        "save did not complete, or the path names another directory)"
+    )
 
 
 def _read_marker(path: str) -> dict:
     try:
         with open(os.path.join(path, COMPLETE_MARKER)) as f:
             marker = json.load(f)
-        if not isinstance(marker, dict) or marker.get("format") != FORMAT or not marker.get(
-                "complete"):
+        if (
+            not isinstance(marker, dict)
+            or marker.get("format") != FORMAT
+            or not marker.get("complete")
+        ):
             raise ValueError(f"format {marker.get('format') if isinstance(marker, dict) else '?'}")
         return marker
     except (OSError, ValueError) as exc:
         raise CorruptCheckpointError(
-            f"{path}: unreadable completion marker {COMPLETE_MARKER} ({exc})") from None
+            f"{path}: unreadable completion marker {COMPLETE_MARKER} ({exc})"
+        ) from None
 
 
 def _check_files(path: str, marker: dict) -> list[str]:
@@ -600,12 +649,16 @@ def _check_files(path: str, marker: dict) -> list[str]:
         if not os.path.isfile(file):
             errors.append(f"{path}: missing file {name} (the save wrote {size} bytes)")
         elif os.path.getsize(file) != size:
-            errors.append(f"{path}: {name} is {os.path.getsize(file)} bytes, the save wrote "
-                          f"{size} (truncated or replaced)")
+            errors.append(
+                f"{path}: {name} is {os.path.getsize(file)} bytes, the save wrote "
+                f"{size} (truncated or replaced)"
+            )
     meta = os.path.join(path, ".metadata")
     if os.path.isfile(meta) and _sha256(meta) != marker["metadata_sha256"]:
-        errors.append(f"{path}: .metadata is not the file this save wrote (SHA-256 differs): "
-                      "copied from another run or modified; not unpickling it")
+        errors.append(
+            f"{path}: .metadata is not the file this save wrote (SHA-256 differs): "
+            "copied from another run or modified; not unpickling it"
+        )
     return errors
 
 
@@ -621,14 +674,17 @@ def _check_crcs(path: str, marker: dict, part: tuple[int, int]) -> list[str]:
     files = sorted({it["file"] for it in items})
     mine = {f for i, f in enumerate(files) if i % parts == me}
     errors = []
-    got = _checksum_items(path, [{k: v for k, v in it.items() if k != "crc32"}
-                                 for it in items if it["file"] in mine])
+    got = _checksum_items(
+        path, [{k: v for k, v in it.items() if k != "crc32"} for it in items if it["file"] in mine]
+    )
     want = {(it["file"], it["start"]): it["crc32"] for it in items}
     for it in got:
         if it["crc32"] != want[(it["file"], it["start"])]:
             chunk = f" chunk at {it['chunk']}" if it["chunk"] is not None else ""
-            errors.append(f"{path}: checksum mismatch in {it['file']} bytes {it['start']}.."
-                          f"{it['start'] + it['length']}: {it['key']}{chunk} is damaged")
+            errors.append(
+                f"{path}: checksum mismatch in {it['file']} bytes {it['start']}.."
+                f"{it['start'] + it['length']}: {it['key']}{chunk} is damaged"
+            )
     return errors
 
 
@@ -657,7 +713,8 @@ def check_checkpoint(
         if require_marker:
             raise IncompleteCheckpointError(
                 f"{msg}: nothing proves every rank finished writing it. Pass "
-                "require_marker=False to load it anyway (integrity then rests on DCP alone).")
+                "require_marker=False to load it anyway (integrity then rests on DCP alone)."
+            )
         return {}
     marker = _read_marker(path)
     errors = _check_files(path, marker)
@@ -685,23 +742,28 @@ def _check_targets(path: str, flat: dict[str, Any]) -> tuple[list[str], list[str
         errors.append(
             f"{path}: the checkpoint has no entries for {len(missing)} of the {len(flat)} keys "
             f"to load, e.g. {missing[:5]} (it holds top-level keys {prefixes[:10]}): a checkpoint "
-            "of another model or optimizer, or saved under another prefix")
+            "of another model or optimizer, or saved under another prefix"
+        )
     for key, value in flat.items():
         item = md.get(key)
         if item is None:
             continue
         if not isinstance(value, torch.Tensor):
             if not isinstance(item, BytesStorageMetadata):
-                errors.append(f"{key!r}: the checkpoint holds a tensor {list(item.size)}, the "
-                              f"target a {type(value).__name__}")
+                errors.append(
+                    f"{key!r}: the checkpoint holds a tensor {list(item.size)}, the "
+                    f"target a {type(value).__name__}"
+                )
             continue
         if isinstance(item, BytesStorageMetadata):
             errors.append(f"{key!r}: the checkpoint holds an object, the target a tensor")
             continue
         if tuple(item.size) != tuple(value.shape) or item.properties.dtype != value.dtype:
-            errors.append(f"{key!r}: the checkpoint holds {list(item.size)} "
-                          f"{item.properties.dtype}, the target is {list(value.shape)} "
-                          f"{value.dtype}")
+            errors.append(
+                f"{key!r}: the checkpoint holds {list(item.size)} "
+                f"{item.properties.dtype}, the target is {list(value.shape)} "
+                f"{value.dtype}"
+            )
     return errors[:30], sorted(md)
 
 
@@ -711,8 +773,7 @@ def _unexpected(ckpt_keys: list[str], target_keys: set[str]) -> list[str]:
     so loading one section of a bigger checkpoint (the optimizer without the model) stays
     possible, but not half of one (``max_exp_avg_sq`` dropped, or an FQN)."""
     sections = {".".join(k.split(".")[:2]) for k in target_keys}
-    return [k for k in ckpt_keys
-            if k not in target_keys and ".".join(k.split(".")[:2]) in sections]
+    return [k for k in ckpt_keys if k not in target_keys and ".".join(k.split(".")[:2]) in sections]
 
 
 def _clone(value: Any) -> Any:
@@ -720,9 +781,14 @@ def _clone(value: Any) -> Any:
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
-        return DTensor.from_local(value._local_tensor.detach().clone(), value.device_mesh,
-                                  value.placements, run_check=False, shape=value.shape,
-                                  stride=value.stride())
+        return DTensor.from_local(
+            value._local_tensor.detach().clone(),
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, Mapping):
@@ -793,8 +859,12 @@ def load_checkpoint(
     try:
         flat = _flat(state_dict)
         sig = _signatures(state_dict, values=False)
-        marker = check_checkpoint(given, verify_checksums=verify_checksums,
-                                  require_marker=require_marker, _part=(rank, world))
+        marker = check_checkpoint(
+            given,
+            verify_checksums=verify_checksums,
+            require_marker=require_marker,
+            _part=(rank, world),
+        )
         errors, ckpt_keys = _check_targets(path, flat)
         if errors:
             err = ("StateDictMismatchError", "\n  ".join(errors))
@@ -805,34 +875,47 @@ def load_checkpoint(
     _raise_agreed([g[1] for g in gathered], f"refusing to load {path} (nothing was loaded)")
     errors = _check_agreement([g[0] for g in gathered], _group_ranks(process_group, world))
     if errors:
-        _raise_agreed([("RankDisagreementError", "\n  ".join(errors[:30]))],
-                      f"ranks disagree on the state dict to load from {path} (nothing loaded)")
+        _raise_agreed(
+            [("RankDisagreementError", "\n  ".join(errors[:30]))],
+            f"ranks disagree on the state dict to load from {path} (nothing loaded)",
+        )
     if strict:  # the same file and the same gathered targets on every rank: the same verdict
         extra = _unexpected(ckpt_keys, {k for g in gathered for k in g[0]})
         if extra:
-            _raise_agreed([("StateDictMismatchError", (
-                f"the checkpoint holds {len(extra)} key(s) the target lacks, e.g. {extra[:5]}: "
-                "it was saved by an optimizer with other options (for example amsgrad=True, "
-                "loaded into amsgrad=False, which would step without max_exp_avg_sq) or by "
-                "another model. Build the optimizer and model with the options of the save, "
-                "or pass strict=False to leave those entries out"))],
-                f"refusing to load {path} (nothing was loaded)")
+            _raise_agreed(
+                [
+                    (
+                        "StateDictMismatchError",
+                        (
+                            f"the checkpoint holds {len(extra)} key(s) the target lacks, "
+                            f"e.g. {extra[:5]}: it was saved by an optimizer with other options "
+                            "(for example amsgrad=True, loaded into amsgrad=False, which would "
+                            "step without max_exp_avg_sq) or by another model. Build the "
+                            "optimizer and model with the options of the save, or pass "
+                            "strict=False to leave those entries out"
+                        ),
+                    )
+                ],
+                f"refusing to load {path} (nothing was loaded)",
+            )
 
     import torch.distributed.checkpoint as dcp
 
     target = state_dict if in_place else _clone(state_dict)
     outcome: tuple[str, str] | None = None
     try:
-        dcp.load(target, storage_reader=SafeFileSystemReader(path),
-                 planner=planner if planner is not None else SafeLoadPlanner(),
-                 process_group=process_group)
+        dcp.load(
+            target,
+            storage_reader=SafeFileSystemReader(path),
+            planner=planner if planner is not None else SafeLoadPlanner(),
+            process_group=process_group,
+        )
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         try:
             raise_unsafe(exc)
-            outcome = ("RuntimeError", f"dcp.load failed: {type(exc).__name__}: "
-                                       f"{str(exc)[:2000]}")
+            outcome = ("RuntimeError", f"dcp.load failed: {type(exc).__name__}: {str(exc)[:2000]}")
         except UnsafeCheckpointError as unsafe:
             outcome = _as_error(unsafe)
     outcomes = _gather(outcome, process_group)

@@ -30,8 +30,9 @@ class OptimizerStateful(Stateful):
 
     def __init__(self, optimizer: Any, *, grad_scaler: Any = None, materialize: bool = True):
         self.optimizer = optimizer
-        self.grad_scaler = (grad_scaler if grad_scaler is not None
-                            else getattr(optimizer, "grad_scaler", None))
+        self.grad_scaler = (
+            grad_scaler if grad_scaler is not None else getattr(optimizer, "grad_scaler", None)
+        )
         self.materialize = materialize
 
     def state_dict(self) -> dict[str, Any]:
@@ -46,12 +47,16 @@ class OptimizerStateful(Stateful):
         scaler_state = state_dict.get("grad_scaler")
         if self.grad_scaler is not None:
             if scaler_state is None:
-                raise ValueError("the checkpoint holds no 'grad_scaler' state but this optimizer "
-                                 "has a grad scaler")
+                raise ValueError(
+                    "the checkpoint holds no 'grad_scaler' state but this optimizer "
+                    "has a grad scaler"
+                )
             copy.deepcopy(self.grad_scaler).load_state_dict(scaler_state)  # validate first
         elif scaler_state is not None:
-            raise ValueError("the checkpoint holds 'grad_scaler' state but this optimizer has no "
-                             "grad scaler; pass grad_scaler=")
+            raise ValueError(
+                "the checkpoint holds 'grad_scaler' state but this optimizer has no "
+                "grad scaler; pass grad_scaler="
+            )
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.grad_scaler is not None:
             self.grad_scaler.load_state_dict(scaler_state)

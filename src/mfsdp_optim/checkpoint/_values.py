@@ -56,8 +56,10 @@ def restore_like(live: Any, saved: Any) -> Any:
     dtype and device, a list stays a list, a tuple of tensors a tuple of tensors."""
     if isinstance(live, torch.Tensor) and not isinstance(saved, torch.Tensor):
         return torch.tensor(saved, dtype=live.dtype, device=live.device)
-    if isinstance(live, (tuple, list)) and isinstance(saved, (tuple, list)) and len(live) == len(
-        saved
+    if (
+        isinstance(live, (tuple, list))
+        and isinstance(saved, (tuple, list))
+        and len(live) == len(saved)
     ):
         return type(live)(restore_like(a, b) for a, b in zip(live, saved, strict=True))
     return saved
@@ -66,9 +68,7 @@ def restore_like(live: Any, saved: Any) -> Any:
 def group_meta(group: dict, where: str) -> dict[str, Any]:
     """The hyperparameters of a param group (every key but the per-param ones) as plain data."""
     return {
-        k: to_plain(v, f"{where}[{k!r}]")
-        for k, v in group.items()
-        if k not in EXCLUDED_GROUP_KEYS
+        k: to_plain(v, f"{where}[{k!r}]") for k, v in group.items() if k not in EXCLUDED_GROUP_KEYS
     }
 
 
