@@ -17,13 +17,14 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff>=0.6")
+    session.install("ruff==0.17.6")
     session.run("ruff", "check", "src", "tests", "benchmarks", "examples", "noxfile.py")
+    session.run("ruff", "format", "--check", "src", "tests", "benchmarks", "examples", "noxfile.py")
 
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    session.install(TORCH, "mypy>=1.11")
+    session.install(TORCH, "mypy==2.4.1")
     session.install("-e", ".")
     session.run("mypy", "src")
 
