@@ -199,3 +199,56 @@ def test_host_sync_false_never_syncs_on_cuda(tmp_path):
         assert opt.fast_steps == 5
     finally:
         dist.destroy_process_group()
+
+
+def _rank_deferred_verdict():
+    """Fused AdamW on the fast path, no scaler: the stats verdict waits until the update is
+    enqueued, gated on the device. A rank whose grad is bad raises; the others raise too, and
+    their params and state stay bit for bit as they were."""
+    import time
+
+    import torch.distributed as dist
+    from _layouts import get_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from mfsdp_optim import FullyShardedOptimizer, OptimizerConfig
+
+    mesh = get_mesh((dist.get_world_size(),))
+    p = torch.nn.Parameter(DTensor.from_local(torch.ones(4, 3), mesh, [Shard(0)], run_check=False))
+    opt = FullyShardedOptimizer(
+        torch.optim.AdamW([p], lr=0.1, fused=True), OptimizerConfig(clip_grad=1.0)
+    )
+    for _ in range(2):  # the first step creates the state; the second runs the fast path
+        p.grad = DTensor.from_local(torch.full((4, 3), 2.0), mesh, [Shard(0)], run_check=False)
+        opt.step()
+        opt.zero_grad()
+    before = (p._local_tensor.clone(), {k: v.clone() for k, v in opt.state[p].items()})
+    fast_before = opt.fast_steps
+    if dist.get_rank() == 1:
+        p.grad = torch.full((8, 3), 2.0)  # a plain tensor: refused on this rank only
+    else:
+        p.grad = DTensor.from_local(torch.full((4, 3), 2.0), mesh, [Shard(0)], run_check=False)
+    t0 = time.monotonic()
+    try:
+        opt.step()
+        raised = None
+    except Exception as exc:  # the failing rank stays alive, as a job that logs would
+        raised = type(exc).__name__
+    elapsed = time.monotonic() - t0
+    same = torch.equal(p._local_tensor, before[0]) and all(
+        torch.equal(
+            v._local_tensor if isinstance(v, DTensor) else v,
+            before[1][k]._local_tensor if isinstance(before[1][k], DTensor) else before[1][k],
+        )
+        for k, v in opt.state[p].items()
+    )
+    return raised, elapsed, same, opt.fast_steps - fast_before
+
+
+def test_deferred_verdict_raises_everywhere_and_changes_nothing(ranks):
+    out = ranks(2).run(_rank_deferred_verdict)
+    assert out[1][0] == "TypeError", out  # the rank with the plain-tensor grad
+    assert out[0][0] == "RankFailedError", out
+    assert all(r[1] < 5.0 for r in out), out
+    assert all(r[2] for r in out), "a refused step changed params or state"
+    assert out[0][3] == 1, out  # the healthy rank took the fast (deferred) path

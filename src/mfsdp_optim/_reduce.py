@@ -20,6 +20,7 @@ ranks raise :class:`StatsArgumentMismatchError` on every rank, without a second 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -110,6 +111,58 @@ def reduce_buckets(
     """
     require_member(group)
     device = collective_device(group)
+    rows, failure, p, world = _gather_rows(buckets, norm_type, count_zeros, group, device)
+    if not host_sync:
+        if failure is not None:
+            raise failure
+        return _device_verdict(rows, p, bool(count_zeros))
+    _verdict_on_host(rows, failure, group, device, world)
+    return _finish(rows, p, bool(count_zeros))
+
+
+def reduce_buckets_deferred(
+    buckets: Buckets | BaseException,
+    *,
+    norm_type: float,
+    count_zeros: bool,
+    group: dist.ProcessGroup | None,
+) -> tuple[GradStats, torch.Tensor, Callable[[], None]]:
+    """:func:`reduce_buckets` with its host-side verdict postponed: ``(stats, bad, verdict)``.
+
+    ``stats`` and ``bad`` (a 0-d bool tensor: some rank failed or ranks disagree) stay on the
+    device; ``verdict()`` later does what ``reduce_buckets`` does right after the collective
+    (the host read, the message gather when some rank failed, the raise), so a caller can
+    enqueue device work that ``bad`` gates (the wrapper's fused update) before the host waits.
+    A rank whose own input failed gets a ``verdict`` that raises at once; it must still call it
+    at the same point as its peers, which issue the message gather there.
+    """
+    require_member(group)
+    device = collective_device(group)
+    stats_rows = _gather_rows(buckets, norm_type, count_zeros, group, device)
+    rows, failure, p, world = stats_rows
+    if failure is not None:
+        return (
+            GradStats(torch.full((), torch.nan), None, torch.ones((), dtype=torch.bool)),
+            torch.ones((), dtype=torch.bool),
+            lambda: _verdict_on_host(rows, failure, group, device, world),
+        )
+    stats = _finish(rows, p, bool(count_zeros))
+    return (
+        stats,
+        _bad(rows, p, bool(count_zeros)),
+        lambda: _verdict_on_host(rows, None, group, device, world),
+    )
+
+
+def _gather_rows(
+    buckets: Buckets | BaseException,
+    norm_type: float,
+    count_zeros: bool,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> tuple[torch.Tensor, BaseException | None, float, int]:
+    """This rank's row (contribution, failure flag, arguments, marker) and THE collective:
+    every rank's rows, ``(rows, this rank's failure, p, world)``."""
     failure = buckets if isinstance(buckets, BaseException) else None
     p = math.nan
     contribution = None
@@ -133,11 +186,18 @@ def reduce_buckets(
     rows = row.new_empty(world * _ROW)
     _all_gather_flat(rows, row, group)  # THE collective: one per call on every rank
     rows = rows.view(world, _ROW)
-    if not host_sync:
-        if failure is not None:
-            raise failure
-        return _device_verdict(rows, p, bool(count_zeros))
-    peers = rows[:, _FAILED:].cpu()  # 4 numbers per rank
+    return rows, failure, p, world
+
+
+def _verdict_on_host(
+    rows: torch.Tensor,
+    failure: BaseException | None,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    world: int,
+) -> None:
+    """Read every rank's flags (4 numbers per rank); raise on every rank if any failed."""
+    peers = rows[:, _FAILED:].cpu()
     _check_magic(peers, world)
     failed = [r for r in range(world) if peers[r, 0] != 0]
     if failed:
@@ -146,7 +206,6 @@ def reduce_buckets(
             raise failure
         raise _peer_failure(failed, messages, world)
     _check_same_arguments(peers, world)
-    return _finish(rows, p, bool(count_zeros))
 
 
 def _finish(rows: torch.Tensor, p: float, count_zeros: bool) -> GradStats:
@@ -159,16 +218,21 @@ def _finish(rows: torch.Tensor, p: float, count_zeros: bool) -> GradStats:
 def _device_verdict(rows: torch.Tensor, p: float, count_zeros: bool) -> GradStats:
     """``_finish`` with every check of ``_check_same_arguments`` folded in on the device."""
     stats = _finish(rows, p, count_zeros)
-    bad = (
-        (rows[:, _FAILED] != 0).any()
-        | (rows[:, _MAGIC] != _MAGIC_VALUE).any()
-        | (rows[:, _NORM_TYPE] != p).any()
-        | (rows[:, _COUNT_ZEROS] != float(count_zeros)).any()
-    )
+    bad = _bad(rows, p, count_zeros)
     return GradStats(
         total_norm=torch.where(bad, torch.nan, stats.total_norm),
         num_zeros=stats.num_zeros,
         found_inf=stats.found_inf | bad,
+    )
+
+
+def _bad(rows: torch.Tensor, p: float, count_zeros: bool) -> torch.Tensor:
+    """On the device: some rank failed, or the ranks' arguments or markers differ."""
+    return (
+        (rows[:, _FAILED] != 0).any()
+        | (rows[:, _MAGIC] != _MAGIC_VALUE).any()
+        | (rows[:, _NORM_TYPE] != p).any()
+        | (rows[:, _COUNT_ZEROS] != float(count_zeros)).any()
     )
 
 

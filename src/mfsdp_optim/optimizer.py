@@ -35,7 +35,7 @@ from ._fast_step import FastAdamStep
 from ._hyper import check_param_groups
 from ._params import ParamRecord
 from ._prepare import Preparer
-from ._reduce import GradStats, reduce_buckets
+from ._reduce import GradStats, reduce_buckets, reduce_buckets_deferred
 from ._slots import SlotTable
 from ._triton_adam import TritonAdam
 from .grad_scaler import GradScaler
@@ -126,6 +126,8 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         self._fast = FastAdamStep()
         self._fast_token: object | None = None  # the fast cache this step's grads were put in
         self._route = Route(False, False)
+        # (bad, verdict) of a deferred stats verdict (see _prepare), for the step in progress
+        self._deferred: tuple[torch.Tensor, Callable[[], None]] | None = None
         self._triton = TritonAdam() if self.config.triton_adam_step else None
         self.last_update_successful: bool | None = None
         self.fast_steps = 0  # steps that took the fast path (for tests and diagnostics)
@@ -228,8 +230,12 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
             buckets = exc
         return self._reduce(buckets, count_zeros)
 
-    def _prepare(self) -> GradStats:
-        """Validate, unscale, cast, bucket, and take the stats; no host synchronisation."""
+    def _prepare(self, defer: bool = False) -> GradStats:
+        """Validate, unscale, cast, bucket, and take the stats; no host synchronisation.
+
+        ``defer``: where the fused fast step runs, postpone the collective's host-side verdict
+        (``_reduce.reduce_buckets_deferred``) until the update is enqueued, the update gated on
+        the device by "some rank failed" (``self._deferred``); see ``_step_impl``."""
         if self._stage is Stage.PREPARED:
             raise RuntimeError(
                 "prepare_grads() was already called for this step (the grads are already "
@@ -270,8 +276,24 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
                 self._preparer.unscale(scaler.inv_scale_on, buckets)  # type: ignore[arg-type]
         except Exception as exc:  # joins the collective, so no rank waits, then raises
             buckets = exc
+        self._deferred = None
         try:
-            stats = self._reduce(buckets, self.config.log_num_zeros_in_grad)
+            if (
+                defer
+                and not isinstance(buckets, BaseException)
+                and self._triton is None
+                and self._table.in_stats_group
+                and self._skips_on_device()
+            ):
+                stats, bad, verdict = reduce_buckets_deferred(
+                    buckets,
+                    norm_type=self.config.norm_type,
+                    count_zeros=self.config.log_num_zeros_in_grad,
+                    group=self.config.grad_stats_group,
+                )
+                self._deferred = (bad, verdict)
+            else:
+                stats = self._reduce(buckets, self.config.log_num_zeros_in_grad)
         except Exception:
             self._drop_work()
             raise
@@ -412,9 +434,11 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
                 "step() called after prepare_grads(): the grads are already prepared; finish "
                 "with step_with_ready_grads() (or zero_grad() to drop them)."
             )
-        stats = self._prepare()
         scaler = self.grad_scaler
         on_host = self.config.host_sync
+        # without a scaler the host waits only after the update is enqueued (see _prepare)
+        stats = self._prepare(defer=on_host and scaler is None)
+        deferred = self._deferred
         result = _StepResult(stats)
         device_skip = None
         if scaler is not None:
@@ -439,12 +463,13 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
                 self.clip_folds += 1
             else:
                 scale_by_clip_coef_(self._preparer.work_locals, clip, stats.total_norm)
+        gate = device_skip if deferred is None else deferred[0]
         try:
-            self._run_base_step(
-                divisor, None if device_skip is None else device_skip.to(torch.float32)
-            )
+            self._run_base_step(divisor, None if gate is None else gate.to(torch.float32))
         finally:
             self._stage = Stage.STEPPED
+        if deferred is not None:
+            deferred[1]()  # the collective's verdict: raises on every rank if one failed
         if device_skip is not None:
             self.last_update_successful = None  # decided on the device: see step()'s result
             return ~device_skip, stats.total_norm, stats.num_zeros
