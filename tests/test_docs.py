@@ -177,16 +177,52 @@ def test_doc_code(page, ranks):
             ranks(prog.ranks).run(_exec, prog.code, where, timeout=180.0)
 
 
-def test_mkdocs_build_strict(tmp_path):
-    """``mkdocs build --strict`` (what ``nox -s docs`` runs); needs the ``docs`` extra."""
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory):
+    """The site built once with ``mkdocs build --strict`` (what ``nox -s docs`` runs); needs
+    the ``docs`` extra."""
     for mod in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python"):
         pytest.importorskip(mod, reason="the docs extra is not installed: pip install -e .[docs]")
+    site = tmp_path_factory.mktemp("site")
     proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
     )
+    return site, proc
+
+
+def test_mkdocs_build_strict(built_site):
+    site, proc = built_site
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert (tmp_path / "site" / "api" / "index.html").is_file()
+    assert (site / "api" / "index.html").is_file()
+
+
+RAW_ROLE = re.compile(r":(meth|class|func|attr|mod|exc):`?")
+
+
+def _cell(name: str) -> str:
+    """A table cell holding ``name`` as code (mkdocstrings' section tables)."""
+    return rf"<td[^>]*>\s*<code>(?:<span[^>]*>)?{name}(?:</span>)?</code>"
+
+
+def test_api_page_renders_docstrings(built_site):
+    """The API page has no reST role left as text, and Google sections render as tables."""
+    site, proc = built_site
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    html = (site / "api" / "index.html").read_text(encoding="utf-8")
+    roles = sorted({m.group(0) for m in RAW_ROLE.finditer(html)})
+    assert not roles, f"raw reST roles on the API page: {roles}"
+    # a docstring section that did not parse shows up as its literal heading
+    for heading in ("Args:", "Returns:", "Raises:", "Attributes:"):
+        assert f"<p>{heading}" not in html, f"an unparsed {heading!r} section"
+    # OptimizerConfig's options: one table row each, none swallowed into a collapsible box
+    config = html[html.index('id="mfsdp_optim.optimizer.OptimizerConfig"') :]
+    for option in ("clip_grad", "norm_type", "filter_empty_shards", "host_sync"):
+        assert re.search(_cell(option), config), option
+    assert not re.search(r"<details[^>]*>(?:(?!</details>).)*filter_empty_shards", config, re.S)
+    # FullyShardedOptimizer's Args: a parameters table
+    wrapper = html[html.index('id="mfsdp_optim.optimizer.FullyShardedOptimizer"') :]
+    assert re.search(_cell("model_chunks"), wrapper)

@@ -24,7 +24,7 @@ def _flag(value: object, name: str, allow_none: bool = False) -> bool | None:
 
 @dataclass
 class OptimizerConfig:
-    """Options of :class:`~mfsdp_optim.FullyShardedOptimizer`.
+    """Options of ``FullyShardedOptimizer``.
 
     Attributes:
         clip_grad: Clip the global grad norm to this value before each update (0: no clipping).

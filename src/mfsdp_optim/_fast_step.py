@@ -206,7 +206,7 @@ class FastAdamStep:
         """Before the prepare loop (the route allows the fast step): the cache's token when the
         loop should collect the grads for it (valid, built now if needed), else None.
         ``trust_locals``: the prepare plan will vouch for the params' local tensors (it checks
-        them list-wide; the caller checks :meth:`locals_ok` itself if the plan does not
+        them list-wide; the caller checks ``locals_ok()`` itself if the plan does not
         replay)."""
         self.clear()
         valid = self._cache_ok(optimizer, table) and (trust_locals or self.locals_ok())
@@ -215,7 +215,7 @@ class FastAdamStep:
         return self._groups
 
     def ready(self, optimizer: torch.optim.Optimizer, table: SlotTable) -> bool:
-        """At step time: nothing changed since :meth:`begin` collected the grads."""
+        """At step time: nothing changed since ``begin()`` collected the grads."""
         return self._cache_ok(optimizer, table)
 
     def clear(self) -> None:
@@ -241,8 +241,8 @@ class FastAdamStep:
         devices of all the work grads (the direct fused call needs them on the group's);
         ``grad_scale``: what ``Adam.step()`` would read from ``optimizer.grad_scale`` (fused
         groups only; the wrapper's folded clip); ``triton``: the opt-in
-        :class:`~mfsdp_optim._triton_adam.TritonAdam` for direct fused groups, or None;
-        ``found_inf``: a float32 0/1 tensor, fused groups only (see :meth:`skips_on_device`):
+        ``TritonAdam`` for direct fused groups, or None;
+        ``found_inf``: a float32 0/1 tensor, fused groups only (see ``skips_on_device()``):
         the update is skipped on the device where it is 1."""
         assert self._groups is not None
         optimizer._accelerator_graph_capture_health_check()

@@ -1,6 +1,6 @@
 """Optional fused kernels for the stats layer (CUDA + Triton).
 
-``shard_contribution`` has the contract of :func:`mfsdp_optim._stats_math.shard_contribution`
+``shard_contribution`` has the contract of ``mfsdp_optim._stats_math.shard_contribution()``
 and returns None when no fused kernel applies (CPU tensors, Triton missing, CUDA graph capture,
 ``torch.compile`` tracing, an unsupported dtype), in which case the caller falls back to the
 pure-torch multi-tensor path.
@@ -30,7 +30,7 @@ Design (one launch per bucket, no host synchronisation):
   result is deterministic), counts and clears the flags, resets the ticket and writes the
   3-slot float64 contribution ``[sum / replication or max, zeros, flagged tensors]``.
 
-Everything here is private; the stats layer calls :func:`shard_contribution` once per bucket.
+Everything here is private; the stats layer calls ``shard_contribution()`` once per bucket.
 """
 
 from __future__ import annotations
@@ -534,7 +534,7 @@ def shard_contribution(
 ) -> torch.Tensor | None:
     """The contribution of ``tensors`` (one device and dtype: the caller's bucket) from one fused
     kernel, or None when the fused path does not apply. Same contract and result as
-    :func:`mfsdp_optim._stats_math.shard_contribution` up to float64 rounding order, except that
+    ``mfsdp_optim._stats_math.shard_contribution()`` up to float64 rounding order, except that
     the result is deterministic and never needs more than one launch."""
     if not tensors:
         return None

@@ -13,8 +13,8 @@ The shape never depends on the arguments, so no mismatch can deadlock. Healthy c
 collective, combined locally (a sum, or a max for ``p = inf``). When any row says ``failed``,
 every rank issues a second all-gather of fixed size (each failing rank's error message, UTF-8,
 truncated), and then every rank raises: a failing rank its own exception, the others
-:class:`RankFailedError` naming each failing rank and its error. Arguments that differ between
-ranks raise :class:`StatsArgumentMismatchError` on every rank, without a second collective.
+``RankFailedError`` naming each failing rank and its error. Arguments that differ between
+ranks raise ``StatsArgumentMismatchError`` on every rank, without a second collective.
 """
 
 from __future__ import annotations
@@ -99,9 +99,9 @@ def reduce_buckets(
 
     ``buckets`` may instead be the exception (any type) that building them raised on this rank:
     the rank still joins the collective, so no peer waits for it. Whenever any rank failed,
-    EVERY rank raises: the failing rank its own exception, the others :class:`RankFailedError`
+    EVERY rank raises: the failing rank its own exception, the others ``RankFailedError``
     naming it (a second, fixed-size all-gather carries the messages). ``norm_type`` and
-    ``count_zeros`` must be equal on every rank (:class:`StatsArgumentMismatchError` on every
+    ``count_zeros`` must be equal on every rank (``StatsArgumentMismatchError`` on every
     rank otherwise).
 
     ``host_sync=False`` (the wrapper's device-only mode) reads nothing back to the host: a
@@ -127,7 +127,7 @@ def reduce_buckets_deferred(
     count_zeros: bool,
     group: dist.ProcessGroup | None,
 ) -> tuple[GradStats, torch.Tensor, Callable[[], None]]:
-    """:func:`reduce_buckets` with its host-side verdict postponed: ``(stats, bad, verdict)``.
+    """``reduce_buckets()`` with its host-side verdict postponed: ``(stats, bad, verdict)``.
 
     ``stats`` and ``bad`` (a 0-d bool tensor: some rank failed or ranks disagree) stay on the
     device; ``verdict()`` later does what ``reduce_buckets`` does right after the collective

@@ -14,7 +14,7 @@ Nothing here touches a process group. A *contribution* is a float64 vector of th
 Contributions of a finite ``p`` combine by summation; those of ``p = inf`` need a maximum in the
 first slot and sums in the others. Both are gathered (``_reduce``: one all-gather whatever ``p``,
 so ranks with different arguments can never issue different collectives) and combined by
-:func:`combine_contributions`, which is also what combines the groups of one rank. Accumulation is
+``combine_contributions()``, which is also what combines the groups of one rank. Accumulation is
 float64 throughout: a float32 grad of 1e30 squares to 1e60 without
 overflow, and the zero count stays exact far past 2**24.
 """

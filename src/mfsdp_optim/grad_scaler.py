@@ -1,13 +1,13 @@
-"""Loss scalers for :class:`mfsdp_optim.FullyShardedOptimizer`.
+"""Loss scalers for ``mfsdp_optim.FullyShardedOptimizer``.
 
 A scaler owns one number, the loss scale, and how it evolves. It does not look at gradients:
 the wrapper unscales them, and the stats layer decides ``found_inf`` with its one collective over
 the grad-stats group, so every rank of that group hands the same ``found_inf`` to
-:meth:`GradScaler.update` and every rank's scale evolves identically (unlike
+``GradScaler.update()`` and every rank's scale evolves identically (unlike
 ``torch.amp.GradScaler``, which agrees on ``found_inf`` only over the first grad's mesh).
 
-The scale lives in a 0-d float32 tensor; :meth:`GradScaler.scale_on` /
-:meth:`GradScaler.inv_scale_on`
+The scale lives in a 0-d float32 tensor; ``GradScaler.scale_on()`` /
+``GradScaler.inv_scale_on()``
 hand out cached copies on the grads' device so unscaling never synchronises with the host.
 
 ``update(found_inf)`` takes a Python bool, or a 0-d bool tensor (``OptimizerConfig(host_sync=
@@ -102,8 +102,8 @@ def _state_keys(state_dict: Any, who: str, keys: set[str]) -> None:
 class GradScaler:
     """Base class: a loss scale with ``update(found_inf)`` and a state dict.
 
-    Subclasses implement :meth:`update`, :meth:`state_dict` and :meth:`load_state_dict`; they
-    change the scale only through :meth:`_set_scale`.
+    Subclasses implement ``update()``, ``state_dict()`` and ``load_state_dict()``; they
+    change the scale only through ``_set_scale()``.
     """
 
     def __init__(self, initial_scale: float):
@@ -303,7 +303,7 @@ class DynamicGradScaler(GradScaler):
                 self._set_scale(min(self._scale_value * self.growth_factor, MAX_SCALE))
 
     def _update_on_device(self, found_inf: torch.Tensor) -> None:
-        """The rule of :meth:`update` with tensor ops (float64 scale, int64 trackers)."""
+        """The rule of ``update()`` with tensor ops (float64 scale, int64 trackers)."""
         dev = self._to_device(found_inf.device)
         inf = found_inf.to(torch.bool)
         scale, growth, hyst = (

@@ -62,9 +62,9 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
             torch optimizer: its ``param_groups`` and ``state`` are exactly what stock torch
             keeps, so dropping the wrapper continues training with plain torch.
         config: Clipping, norm type, zero counting, the grad-stats group and extras
-            (:class:`OptimizerConfig`).
-        grad_scaler: A :class:`~mfsdp_optim.ConstantGradScaler` or
-            :class:`~mfsdp_optim.DynamicGradScaler`; steps with NaN/inf grads on any rank are
+            (``OptimizerConfig``).
+        grad_scaler: A ``ConstantGradScaler`` or
+            ``DynamicGradScaler``; steps with NaN/inf grads on any rank are
             then skipped on every rank.
         init_state_fn: Creates the base optimizer's state for checkpoint loading
             (``sharded_state_dict(is_loading=True)``), instead of a scratch step.
@@ -72,7 +72,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
 
     ``param_groups``, ``state`` and ``defaults`` are the base optimizer's; lr schedulers accept
     the wrapper; torch's global step hooks and the wrapper's own hooks fire once per
-    :meth:`step`, the base optimizer's hooks whenever its ``step()`` runs.
+    ``step()``, the base optimizer's hooks whenever its ``step()`` runs.
     """
 
     def __init__(
@@ -311,7 +311,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
     ) -> None:
         """The base step on the prepared grads, then restore cast grads. ``grad_divisor``: a
         folded clip (``route.fold_clip``), handed to the fused step as its ``grad_scale``;
-        ``found_inf``: skip on the device (only where :meth:`_skips_on_device`)."""
+        ``found_inf``: skip on the device (only where ``_skips_on_device()``)."""
         opt, table = self.optimizer, self._table
         try:
             if self._fast_token is not None and self._fast.ready(opt, table):
@@ -351,7 +351,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
     def step_with_ready_grads(self) -> bool:
         """The base optimizer step on prepared grads (no clipping); restores grad dtypes.
 
-        Returns True (the update ran). Call after :meth:`prepare_grads`.
+        Returns True (the update ran). Call after ``prepare_grads()``.
         """
         self._check_ready_for_step("step_with_ready_grads()")
         try:
@@ -522,7 +522,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         """The fsdp_dtensor optimizer state dict (see ``mfsdp_optim.checkpoint``).
 
         ``model_sharded_state_dict`` and ``metadata`` are accepted for Megatron-Core parity and
-        ignored. The grad scaler's state travels separately: :meth:`grad_scaler_state_dict`.
+        ignored. The grad scaler's state travels separately: ``grad_scaler_state_dict()``.
         """
         from .checkpoint import build_sharded_state_dict
 
@@ -557,8 +557,8 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load either layout, told apart by its top-level keys: torch's own
-        (``state``/``param_groups``, from :meth:`state_dict` or ``get_optimizer_state_dict``),
-        handed to the base optimizer, or the fsdp_dtensor layout of :meth:`sharded_state_dict`
+        (``state``/``param_groups``, from ``state_dict()`` or ``get_optimizer_state_dict``),
+        handed to the base optimizer, or the fsdp_dtensor layout of ``sharded_state_dict()``
         (after DCP filled it), validated on every rank before anything changes."""
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             out = hook(self, state_dict)

@@ -85,12 +85,12 @@ def grad_stats(
     whose input or arguments are refused (a plain tensor: TypeError; a ``Partial`` placement or a
     mesh with ranks outside ``group``: ValueError; a bad ``norm_type``; anything its grads raise,
     e.g. an int64 or meta-device grad, or an iterable that raises) still joins the collective and
-    then raises its own exception; every other rank raises :class:`RankFailedError` naming the
+    then raises its own exception; every other rank raises ``RankFailedError`` naming the
     failing rank and its error, within the time of two small collectives. Ranks that pass
-    different ``norm_type`` or ``count_zeros`` all raise :class:`StatsArgumentMismatchError`
+    different ``norm_type`` or ``count_zeros`` all raise ``StatsArgumentMismatchError``
     (a ValueError) naming which rank passed what.
 
-    Returns :class:`GradStats` with tensors on the group's collective device.
+    Returns ``GradStats`` with tensors on the group's collective device.
     """
     try:
         buckets = bucket_local_shards(grads, group)
@@ -106,14 +106,14 @@ def get_grad_norm(
 ) -> torch.Tensor:
     """The ``norm_type`` norm of the concatenated global tensors: a 0-d float32 tensor, equal on
     every rank of ``group``. Same placements, contributions and single collective as
-    :func:`grad_stats`; 0 when every rank passes nothing."""
+    ``grad_stats()``; 0 when every rank passes nothing."""
     return grad_stats(grads, norm_type=norm_type, group=group).total_norm
 
 
 def count_zeros(grads: Iterable[DTensor], group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Zero elements of the global tensors, each counted once: a 0-d int64 tensor, equal on every
     rank of ``group``. Each rank counts the zeros of the shards it is the canonical replica of
-    (coordinate 0 along every replicated mesh dim); the one collective of :func:`grad_stats` adds
+    (coordinate 0 along every replicated mesh dim); the one collective of ``grad_stats()`` adds
     them. Exact up to
     2**53 elements."""
     stats = grad_stats(grads, count_zeros=True, group=group)
@@ -135,7 +135,7 @@ def clip_grads_with_norm_(
     values are never touched. Grads may be DTensors on any mix of meshes (scaling commutes with
     every placement: each rank scales its local shard) or plain tensors. One multi-tensor
     multiply per (device, dtype) and no host synchronisation: the coefficient stays a tensor.
-    ``total_norm`` is typically :func:`get_grad_norm`'s result; ``foreach`` is accepted for
+    ``total_norm`` is typically ``get_grad_norm()``'s result; ``foreach`` is accepted for
     torch parity (the multiply is always multi-tensor).
     """
     max_norm = check_max_norm(max_norm)

@@ -7,7 +7,7 @@ depends on:
   *tensor signature*, the sorted ``(state key, dtype)`` of its parameter-shaped state. A rank
   whose base optimizer does not hold the param (the empty-shard filter dropped it) derives it
   from the base optimizer's class: one zero-element scratch step per dtype with the class's
-  ``defaults``, see :func:`derive_signature`. The keys are a property of the optimizer, not of
+  ``defaults``, see ``derive_signature()``. The keys are a property of the optimizer, not of
   the shard. (A param held without state has the signature ``()``.)
 * the set of distinct *leaves* (hyperparameters + scalar state, see ``_build``) it will emit.
 

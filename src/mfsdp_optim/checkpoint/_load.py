@@ -12,7 +12,7 @@ saved one was.
 
 Both layouts load: format 2 (``param_to_group_meta[fqn]`` one ``(hyperparameters, scalars)``
 tuple, ``state[fqn]`` tensors only) and 0.1.0's format 1 (``param_to_group_meta[fqn]`` a dict of
-hyperparameters, ``step`` inside ``state[fqn]``); :func:`as_format1` turns the first into the
+hyperparameters, ``step`` inside ``state[fqn]``); ``as_format1()`` turns the first into the
 second, which the checks and the restore work on.
 """
 

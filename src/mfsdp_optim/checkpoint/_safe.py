@@ -10,18 +10,18 @@ What torch's own ``FileSystemReader`` / ``DefaultLoadPlanner`` unpickle (torch 2
 
 This module closes the first two for this package's own reads and for users who opt in:
 
-* :func:`safe_read_metadata` unpickles ``.metadata`` with an allow-list: the dataclasses of
+* ``safe_read_metadata()`` unpickles ``.metadata`` with an allow-list: the dataclasses of
   ``torch.distributed.checkpoint.metadata``, ``filesystem._StorageInfo``, ``torch.Size``, torch
   dtypes and layouts, ``pathlib`` paths, ``collections.OrderedDict``. Anything else
   (``os.system``, ``builtins.eval``, a class of some other package) raises
-  :class:`UnsafeCheckpointError` before it is called.
-* :class:`SafeFileSystemReader` is a ``FileSystemReader`` whose ``read_metadata`` is the above.
-* :class:`SafeLoadPlanner` is a ``DefaultLoadPlanner`` whose ``load_bytes`` uses
+  ``UnsafeCheckpointError`` before it is called.
+* ``SafeFileSystemReader`` is a ``FileSystemReader`` whose ``read_metadata`` is the above.
+* ``SafeLoadPlanner`` is a ``DefaultLoadPlanner`` whose ``load_bytes`` uses
   ``torch.load(weights_only=True)``: plain numbers, strings, tuples, lists, dicts and tensors load;
   arbitrary objects are refused.
 
 Pass both to ``dcp.load(state, storage_reader=SafeFileSystemReader(path),
-planner=SafeLoadPlanner())``; :func:`mfsdp_optim.checkpoint.load_checkpoint` does.
+planner=SafeLoadPlanner())``; ``mfsdp_optim.checkpoint.load_checkpoint()`` does.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 def safe_read_metadata(path: str | os.PathLike) -> Any:
     """The ``Metadata`` of the DCP checkpoint directory ``path``, unpickled with the allow-list.
 
-    Raises FileNotFoundError when there is no ``.metadata``, :class:`UnsafeCheckpointError` when it
+    Raises FileNotFoundError when there is no ``.metadata``, ``UnsafeCheckpointError`` when it
     references anything outside the allow-list, and ``pickle.UnpicklingError`` / ``EOFError`` /
     ``ValueError`` when it is not a pickle (truncated, another format).
     """
@@ -144,7 +144,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def raise_unsafe(exc: BaseException) -> None:
-    """Re-raise the :class:`UnsafeCheckpointError` that DCP wrapped in a CheckpointException (on
+    """Re-raise the ``UnsafeCheckpointError`` that DCP wrapped in a CheckpointException (on
     any rank), so callers see the refusal rather than DCP's wrapper; otherwise return."""
     failures = getattr(exc, "failures", None) or {}
     for rank, failure in sorted(failures.items()):

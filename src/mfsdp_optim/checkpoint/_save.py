@@ -378,7 +378,7 @@ def save_checkpoint(
     First the ranks check, with one collective, that they agree on what they save: every DTensor
     key on exactly the ranks of its mesh with one global shape, dtype and layout, and plain
     tensors / objects equal wherever they appear (DCP keeps one copy of those); otherwise
-    :class:`RankDisagreementError` on every rank and nothing is written. DCP then writes into
+    ``RankDisagreementError`` on every rank and nothing is written. DCP then writes into
     ``<directory>.incomplete``; once every rank reports its writes done, rank 0 writes the
     CRC32 of every item (``checksums=True``), the completion marker (file sizes, SHA-256 of
     ``.metadata``, ``metadata``: any JSON-able dict of yours) and renames the directory to
@@ -832,7 +832,7 @@ def load_checkpoint(
     returns its completion marker.
 
     Every rank of ``process_group`` calls it, with the same ``directory``. Before DCP reads
-    anything: :func:`check_checkpoint` (completeness, file sizes, ``.metadata`` hash, the CRC32
+    anything: ``check_checkpoint()`` (completeness, file sizes, ``.metadata`` hash, the CRC32
     of every item, tensor and non-tensor, the reads split over the ranks), the ``.metadata``
     unpickled with an allow-list, every key of ``state_dict`` present with its global shape and
     dtype, and, with ``strict=True``, no checkpoint key the ranks' targets together lack inside
@@ -842,7 +842,7 @@ def load_checkpoint(
     every rank raises (IncompleteCheckpointError, CorruptCheckpointError, FileNotFoundError,
     StateDictMismatchError, RankDisagreementError) and nothing changed.
 
-    Then ``dcp.load`` with :class:`SafeFileSystemReader` and :class:`SafeLoadPlanner` into
+    Then ``dcp.load`` with ``SafeFileSystemReader`` and ``SafeLoadPlanner`` into
     staging copies of ``state_dict``'s tensors; one more small collective agrees that every rank
     loaded, and only then are the copies written into ``state_dict`` (tensors in place, so the
     live optimizer state it shares storage with changes at that moment, on every rank or on
