@@ -39,10 +39,13 @@ _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 class DuplicatedParam(NamedTuple):
     """A param whose mesh instances hold identical copies.
 
-    fqn: the param's name. copies: how many mesh instances hold the same shards (its
-    contribution to a sum of squares is multiplied by this). meshes: the global ranks of each of
-    those instances. placements: the param's placements, as text. evidence: ``"values+grads"`` or
-    ``"values"`` (no grads were present on every copy).
+    Attributes:
+        fqn: The param's name.
+        copies: How many mesh instances hold the same shards (its contribution to a sum of
+            squares is multiplied by this).
+        meshes: The global ranks of each of those instances.
+        placements: The param's placements, as text.
+        evidence: ``"values+grads"`` or ``"values"`` (no grads were present on every copy).
     """
 
     fqn: str
@@ -102,11 +105,18 @@ def check_layout(
 ) -> list[DuplicatedParam]:
     """Params whose mesh instances hold identical copies (their norm would be over-counted).
 
-    ``model``: a module or a sequence of model chunks; its DTensor params are checked (plain
-    tensors are skipped). ``group``: every rank that holds any of them (default WORLD); every
-    rank of it must call, with the same ``group``. Returns the same list on every rank, sorted
-    by FQN, and (``warn=True``) warns once with the FQNs. Cost: one pass over each local shard
-    and grad on its device, one small object all-gather.
+    Cost: one pass over each local shard and grad on its device, one small object all-gather.
+
+    Args:
+        model: A module or a sequence of model chunks; its DTensor params are checked (plain
+            tensors are skipped).
+        group: Every rank that holds any of them (default WORLD); every rank of it must call,
+            with the same ``group``.
+        warn: Warn once with the FQNs of the params found.
+
+    Returns:
+        The [DuplicatedParam][mfsdp_optim.DuplicatedParam]s, the same list on every rank,
+            sorted by FQN.
     """
     mine = []
     for fqn, p in _named_params(model):

@@ -58,11 +58,12 @@ _MESSAGE_BYTES = 2048  # per rank, failure path only
 class GradStats(NamedTuple):
     """Global gradient statistics, equal on every rank of the grad-stats group.
 
-    total_norm: 0-d float32, the norm of the concatenation of the global tensors.
-    num_zeros: 0-d int64, zero elements of the global tensors, each counted once (None when not
-        asked for).
-    found_inf: 0-d bool, True on every rank when any element of any local shard on any rank,
-        replicas included, is NaN or inf.
+    Attributes:
+        total_norm: 0-d float32, the norm of the concatenation of the global tensors.
+        num_zeros: 0-d int64, zero elements of the global tensors, each counted once (None when
+            not asked for).
+        found_inf: 0-d bool, True on every rank when any element of any local shard on any
+            rank, replicas included, is NaN or inf.
     """
 
     total_norm: torch.Tensor

@@ -55,6 +55,16 @@ def count_replication(tensor: DTensor) -> int:
     ``Shard`` and ``_StridedShard`` dims hold disjoint pieces and count 1. On a 2x2 mesh with
     placements ``(Replicate(), Shard(0))`` it is 2. Plain tensors raise TypeError, ``Partial``
     placements ValueError.
+
+    Args:
+        tensor: A DTensor.
+
+    Returns:
+        The number of ranks holding a copy of each of its local shards.
+
+    Raises:
+        TypeError: `tensor` is a plain tensor.
+        ValueError: One of its placements is `Partial`.
     """
     return layout_info(require_dtensor(tensor, "tensor")).replication
 
@@ -90,7 +100,25 @@ def grad_stats(
     different ``norm_type`` or ``count_zeros`` all raise ``StatsArgumentMismatchError``
     (a ValueError) naming which rank passed what.
 
-    Returns ``GradStats`` with tensors on the group's collective device.
+    Args:
+        grads: The gradients, as DTensors on any mix of meshes; an empty iterable on a rank
+            that holds none.
+        norm_type: The norm's `p` (any `p > 0`, or `inf`); the same on every rank.
+        count_zeros: Also count the zero elements (`num_zeros`); the same on every rank.
+        group: The grad-stats group (default: WORLD); it must hold every rank that holds a
+            piece of any grad.
+
+    Returns:
+        A [GradStats][mfsdp_optim.stats.GradStats] with tensors on the group's collective
+            device, bitwise equal on every rank.
+
+    Raises:
+        TypeError: On the rank that passed a plain tensor.
+        ValueError: On the rank that passed a `Partial` placement, a mesh with ranks outside
+            `group` or a bad `norm_type`.
+        RankFailedError: On every other rank when some rank failed, naming it and its error.
+        StatsArgumentMismatchError: On every rank when ranks passed different `norm_type`
+            or `count_zeros` (a ValueError).
     """
     try:
         buckets = bucket_local_shards(grads, group)
@@ -104,18 +132,36 @@ def get_grad_norm(
     norm_type: float = 2.0,
     group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """The ``norm_type`` norm of the concatenated global tensors: a 0-d float32 tensor, equal on
-    every rank of ``group``. Same placements, contributions and single collective as
-    ``grad_stats()``; 0 when every rank passes nothing."""
+    """The ``norm_type`` norm of the concatenated global tensors, equal on every rank of ``group``.
+
+    Same placements, contributions, single collective and failure behaviour as
+    [grad_stats()][mfsdp_optim.stats.grad_stats].
+
+    Args:
+        grads: The gradients, as DTensors on any mix of meshes.
+        norm_type: The norm's `p` (any `p > 0`, or `inf`).
+        group: The grad-stats group (default: WORLD).
+
+    Returns:
+        A 0-d float32 tensor; 0 when every rank passes nothing.
+    """
     return grad_stats(grads, norm_type=norm_type, group=group).total_norm
 
 
 def count_zeros(grads: Iterable[DTensor], group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Zero elements of the global tensors, each counted once: a 0-d int64 tensor, equal on every
-    rank of ``group``. Each rank counts the zeros of the shards it is the canonical replica of
-    (coordinate 0 along every replicated mesh dim); the one collective of ``grad_stats()`` adds
-    them. Exact up to
-    2**53 elements."""
+    """Zero elements of the global tensors, each counted once, equal on every rank of ``group``.
+
+    Each rank counts the zeros of the shards it is the canonical replica of (coordinate 0 along
+    every replicated mesh dim); the one collective of
+    [grad_stats()][mfsdp_optim.stats.grad_stats] adds them. Exact up to 2**53 elements.
+
+    Args:
+        grads: The gradients, as DTensors on any mix of meshes.
+        group: The grad-stats group (default: WORLD).
+
+    Returns:
+        A 0-d int64 tensor.
+    """
     stats = grad_stats(grads, count_zeros=True, group=group)
     assert stats.num_zeros is not None
     return stats.num_zeros
@@ -127,16 +173,20 @@ def clip_grads_with_norm_(
     total_norm: torch.Tensor,
     foreach: bool | None = None,
 ) -> None:
-    """Scale the ``.grad`` of every parameter in place by ``min(1, max_norm / (total_norm +
-    1e-6))``.
+    """Scale every parameter's ``.grad`` in place by ``min(1, max_norm / (total_norm + 1e-6))``.
 
-    torch's ``clip_grads_with_norm_`` convention: ``parameters`` is a tensor or an iterable of
-    them (``model.parameters()``), parameters without a grad are skipped, and the parameters'
-    values are never touched. Grads may be DTensors on any mix of meshes (scaling commutes with
-    every placement: each rank scales its local shard) or plain tensors. One multi-tensor
-    multiply per (device, dtype) and no host synchronisation: the coefficient stays a tensor.
-    ``total_norm`` is typically ``get_grad_norm()``'s result; ``foreach`` is accepted for
-    torch parity (the multiply is always multi-tensor).
+    torch's ``clip_grads_with_norm_`` convention: parameters without a grad are skipped, and the
+    parameters' values are never touched. Grads may be DTensors on any mix of meshes (scaling
+    commutes with every placement: each rank scales its local shard) or plain tensors. One
+    multi-tensor multiply per (device, dtype) and no host synchronisation: the coefficient stays
+    a tensor.
+
+    Args:
+        parameters: A tensor or an iterable of them (``model.parameters()``).
+        max_norm: The norm to clip to.
+        total_norm: The global norm of the grads, typically
+            [get_grad_norm()][mfsdp_optim.stats.get_grad_norm]'s result.
+        foreach: Accepted for torch parity (the multiply is always multi-tensor).
     """
     max_norm = check_max_norm(max_norm)
     if isinstance(parameters, torch.Tensor):
