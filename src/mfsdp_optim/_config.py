@@ -24,11 +24,12 @@ def _flag(value: object, name: str, allow_none: bool = False) -> bool | None:
 
 @dataclass
 class OptimizerConfig:
-    """Options of ``FullyShardedOptimizer``.
+    """Options of [FullyShardedOptimizer][mfsdp_optim.optimizer.FullyShardedOptimizer].
 
     Attributes:
         clip_grad: Clip the global grad norm to this value before each update (0: no clipping).
-        norm_type: The norm ``step()`` reports and clips by (any p > 0, or inf).
+        norm_type: The norm [step()][mfsdp_optim.optimizer.FullyShardedOptimizer.step] reports and
+            clips by (any p > 0, or inf).
         log_num_zeros_in_grad: Also count zero grad elements (returned by ``step()``).
         grad_stats_group: The group grad statistics are summed over (default WORLD); it must
             hold every rank that holds a piece of any grad.

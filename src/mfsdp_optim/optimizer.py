@@ -62,10 +62,10 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
             torch optimizer: its ``param_groups`` and ``state`` are exactly what stock torch
             keeps, so dropping the wrapper continues training with plain torch.
         config: Clipping, norm type, zero counting, the grad-stats group and extras
-            (``OptimizerConfig``).
-        grad_scaler: A ``ConstantGradScaler`` or
-            ``DynamicGradScaler``; steps with NaN/inf grads on any rank are
-            then skipped on every rank.
+            ([OptimizerConfig][mfsdp_optim.optimizer.OptimizerConfig]).
+        grad_scaler: A [ConstantGradScaler][mfsdp_optim.grad_scaler.ConstantGradScaler] or
+            [DynamicGradScaler][mfsdp_optim.grad_scaler.DynamicGradScaler]; steps with NaN/inf
+            grads on any rank are then skipped on every rank.
         init_state_fn: Creates the base optimizer's state for checkpoint loading
             (``sharded_state_dict(is_loading=True)``), instead of a scratch step.
         model_chunks: The modules whose ``named_parameters()`` name the params (FQNs).
@@ -341,17 +341,23 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
     # public step API
 
     def prepare_grads(self) -> bool:
-        """Unscale and cast the grads and agree on non-finite values; returns found_inf.
+        """Unscale and cast the grads and agree on non-finite values.
 
-        found_inf is the same on every rank of the grad-stats group. One collective, one host
-        sync (for the returned bool).
+        One collective, one host sync (for the returned bool).
+
+        Returns:
+            found_inf: whether any grad on any rank holds a NaN or an inf, the same on every
+                rank of the grad-stats group.
         """
         return bool(self._prepare().found_inf)
 
     def step_with_ready_grads(self) -> bool:
         """The base optimizer step on prepared grads (no clipping); restores grad dtypes.
 
-        Returns True (the update ran). Call after ``prepare_grads()``.
+        Call after [prepare_grads()][prepare_grads].
+
+        Returns:
+            True (the update ran).
         """
         self._check_ready_for_step("step_with_ready_grads()")
         try:
@@ -371,7 +377,14 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         return int(stats.num_zeros)
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        """Clip the current grads to ``max_norm`` globally; returns the pre-clip norm."""
+        """Clip the current grads to ``max_norm`` globally.
+
+        Args:
+            max_norm: The global norm to clip to.
+
+        Returns:
+            The global norm before clipping.
+        """
         max_norm = check_max_norm(max_norm)
         norm = self._stats_of_current(False).total_norm
         by_key: dict[tuple, list[torch.Tensor]] = defaultdict(list)
@@ -382,7 +395,11 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         return float(norm)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the params' grads (and any cast copies); back to stage READY."""
+        """Clear the params' grads (and any cast copies); back to stage READY.
+
+        Args:
+            set_to_none: Set the grads to None (True) or zero them in place (False).
+        """
         self._drop_work()
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if set_to_none:
@@ -401,7 +418,14 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         self._stats = None
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss * loss_scale`` (the loss itself without a grad scaler)."""
+        """Scale the loss by the loss scale.
+
+        Args:
+            loss: The loss.
+
+        Returns:
+            ``loss * loss_scale`` (the loss itself without a grad scaler).
+        """
         if self.grad_scaler is None:
             return loss
         return loss * self.grad_scaler.scale_on(loss.device).to(loss.dtype)
@@ -414,14 +438,21 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):  # type: ignore[override]
-        """One training step; returns ``(update_successful, grad_norm, num_zeros_in_grad)``.
+        """One training step: prepare the grads, clip, and run the base optimizer's step.
 
-        grad_norm is the global norm before clipping (non-finite when the step was skipped);
-        num_zeros is None unless ``config.log_num_zeros_in_grad``. With
+        Step hooks fire around it, torch's global ones once. Returns the tuple
+        ``(update_successful, grad_norm, num_zeros_in_grad)``. With
         ``OptimizerConfig(host_sync=False)`` the three are 0-d device tensors (bool, float32,
-        int64 or None) and nothing waits for the device. ``closure``, if given, is called
-        first with grad enabled (it should run backward). Step hooks fire around it, torch's
-        global ones once.
+        int64 or None) and nothing waits for the device.
+
+        Args:
+            closure: If given, called first with grad enabled (it should run backward).
+
+        Returns:
+            update_successful (bool): Whether the base optimizer's update ran.
+            grad_norm (float): The global norm before clipping (non-finite when the step was
+                skipped).
+            num_zeros_in_grad (int | None): None unless ``config.log_num_zeros_in_grad``.
         """
         if closure is not None:
             with torch.enable_grad():
@@ -519,10 +550,19 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         is_loading: bool = False,
         metadata: dict | None = None,
     ) -> dict[str, Any]:
-        """The fsdp_dtensor optimizer state dict (see ``mfsdp_optim.checkpoint``).
+        """The fsdp_dtensor optimizer state dict (see [mfsdp_optim.checkpoint][]).
 
-        ``model_sharded_state_dict`` and ``metadata`` are accepted for Megatron-Core parity and
-        ignored. The grad scaler's state travels separately: ``grad_scaler_state_dict()``.
+        The grad scaler's state travels separately:
+        [grad_scaler_state_dict()][grad_scaler_state_dict].
+
+        Args:
+            model_sharded_state_dict: Accepted for Megatron-Core parity and ignored.
+            is_loading: Build a load target: params without state first get the state their
+                first step would create (or ``init_state_fn``'s).
+            metadata: Accepted for Megatron-Core parity and ignored.
+
+        Returns:
+            This rank's fsdp_dtensor state dict, for ``torch.distributed.checkpoint``.
         """
         from .checkpoint import build_sharded_state_dict
 
@@ -536,8 +576,10 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The base optimizer's stock torch state dict (what ``get_optimizer_state_dict`` reads).
 
-        Refused with ``OptimizerConfig(filter_empty_shards=True)``: ranks that filtered a param
-        hold no state for it, so the stock layout would differ between ranks.
+        Raises:
+            NotImplementedError: With ``OptimizerConfig(filter_empty_shards=True)``: ranks that
+                filtered a param hold no state for it, so the stock layout would differ
+                between ranks.
         """
         if self.config.filter_empty_shards:
             raise NotImplementedError(
@@ -556,10 +598,20 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load either layout, told apart by its top-level keys: torch's own
-        (``state``/``param_groups``, from ``state_dict()`` or ``get_optimizer_state_dict``),
-        handed to the base optimizer, or the fsdp_dtensor layout of ``sharded_state_dict()``
-        (after DCP filled it), validated on every rank before anything changes."""
+        """Load either layout, told apart by its top-level keys.
+
+        Args:
+            state_dict: torch's own layout (``state``/``param_groups``, from
+                [state_dict()][state_dict] or ``get_optimizer_state_dict``), handed to the
+                base optimizer, or the fsdp_dtensor layout of
+                [sharded_state_dict()][sharded_state_dict] (after DCP filled it),
+                validated on every rank before anything changes.
+
+        Raises:
+            ValueError: The top-level keys are neither layout's.
+            StateDictMismatchError: The fsdp_dtensor state dict does not fit the optimizer (a
+                ValueError, on every rank; no optimizer changed).
+        """
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             out = hook(self, state_dict)
             if out is not None:
@@ -592,6 +644,16 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         return None if self.grad_scaler is None else self.grad_scaler.state_dict()
 
     def load_grad_scaler_state_dict(self, state_dict: dict[str, Any] | None) -> None:
+        """Restore the grad scaler's state.
+
+        Args:
+            state_dict: What [grad_scaler_state_dict()][grad_scaler_state_dict] returned;
+                None does nothing.
+
+        Raises:
+            ValueError: There is state but this optimizer has no grad scaler, or the grad
+                scaler refuses a value.
+        """
         if state_dict is None:
             return
         if self.grad_scaler is None:
