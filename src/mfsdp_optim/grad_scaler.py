@@ -104,6 +104,9 @@ class GradScaler:
 
     Subclasses implement ``update()``, ``state_dict()`` and ``load_state_dict()``; they
     change the scale only through ``_set_scale()``.
+
+    Args:
+        initial_scale: The loss scale to start from.
     """
 
     def __init__(self, initial_scale: float):
@@ -208,7 +211,11 @@ class GradScaler:
 
 
 class ConstantGradScaler(GradScaler):
-    """A fixed loss scale. Steps with non-finite grads are still skipped (everywhere)."""
+    """A fixed loss scale. Steps with non-finite grads are still skipped (everywhere).
+
+    Args:
+        scale: The loss scale.
+    """
 
     def __init__(self, scale: float):
         super().__init__(scale)
@@ -241,6 +248,14 @@ class DynamicGradScaler(GradScaler):
 
     Every rank of the grad-stats group sees the same ``found_inf``, so the scale is identical on
     every rank after every step.
+
+    Args:
+        initial_scale: The scale to start from.
+        min_scale: The scale never backs off below this.
+        growth_factor: The scale is multiplied by this after ``growth_interval`` clean steps.
+        backoff_factor: The scale is multiplied by this on an overflow with no hysteresis left.
+        growth_interval: Clean steps in a row before the scale grows.
+        hysteresis: Overflows tolerated before the scale backs off.
     """
 
     def __init__(

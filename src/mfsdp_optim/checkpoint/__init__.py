@@ -1,30 +1,38 @@
 """mfsdp_optim.checkpoint: fsdp_dtensor optimizer state dicts that reshard, interoperate with
 torch's ``get_optimizer_state_dict`` layout and never half-load.
 
-Save::
+Save:
 
-    sd = build_sharded_state_dict(base_optimizer, records)        # one collective
-    dcp.save({"optimizer": sd}, checkpoint_id=path)
+```python
+sd = build_sharded_state_dict(base_optimizer, records)        # one collective
+dcp.save({"optimizer": sd}, checkpoint_id=path)
+```
 
-Load (any world size or mesh layout)::
+Load (any world size or mesh layout):
 
-    sd = build_sharded_state_dict(base_optimizer, records, is_loading=True)
-    sd = prune_to_checkpoint(sd, path)           # only if some params had no state when saved
-    dcp.load({"optimizer": sd}, checkpoint_id=path)
-    load_sharded_state_dict(base_optimizer, records, sd)          # validates, then restores
+```python
+sd = build_sharded_state_dict(base_optimizer, records, is_loading=True)
+sd = prune_to_checkpoint(sd, path)           # only if some params had no state when saved
+dcp.load({"optimizer": sd}, checkpoint_id=path)
+load_sharded_state_dict(base_optimizer, records, sd)          # validates, then restores
+```
 
-A checkpoint stock torch wrote (``get_optimizer_state_dict`` + ``dcp.save``)::
+A checkpoint stock torch wrote (``get_optimizer_state_dict`` + ``dcp.save``):
 
-    osd = to_torch_state_dict(build_sharded_state_dict(opt, records, is_loading=True))
-    dcp.load({"optimizer": osd}, checkpoint_id=path)
-    load_sharded_state_dict(opt, records, from_torch_state_dict(osd))
+```python
+osd = to_torch_state_dict(build_sharded_state_dict(opt, records, is_loading=True))
+dcp.load({"optimizer": osd}, checkpoint_id=path)
+load_sharded_state_dict(opt, records, from_torch_state_dict(osd))
+```
 
 ``FullyShardedOptimizer.sharded_state_dict`` / ``load_state_dict`` call these.
 
-Crash-safe saving and refusing damaged or untrusted checkpoints (see docs/reliability.md)::
+Crash-safe saving and refusing damaged or untrusted checkpoints (see docs/reliability.md):
 
-    save_checkpoint({"optimizer": sd}, "ckpt/step_100")   # staged, published when all finished
-    load_checkpoint({"optimizer": target}, "ckpt/step_100")  # verified before a byte is loaded
+```python
+save_checkpoint({"optimizer": sd}, "ckpt/step_100")   # staged, published when all finished
+load_checkpoint({"optimizer": target}, "ckpt/step_100")  # verified before a byte is loaded
+```
 """
 
 from ._build import KeyspaceError, build_sharded_state_dict

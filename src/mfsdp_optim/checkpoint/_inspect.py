@@ -231,22 +231,36 @@ def _ranks_that_wrote(directory: str, marker: dict) -> int | None:
 def inspect_checkpoint(
     directory: str, *, read_hyperparameters: bool = True, verify_checksums: bool = False
 ) -> dict:
-    """What the checkpoint in ``directory`` holds, after checking it is whole::
+    """What the checkpoint in ``directory`` holds, after checking it is whole:
 
-        {"directory", "status": line, "ranks": int | None, "files": int, "bytes_on_disk": int,
-         "optimizers": {prefix: {"format": 2 | 1 | "torch", "params": int, "with_state": int,
-                                 "state_bytes": int,
-                                 "groups": [{"hyperparameters": {name: value} | None,
-                                             "params": {fqn: {"state": {key: {"dtype", "shape",
-                                                                              "bytes"}},
-                                                              "scalars": {key: value}}}}]}}}
+    ```text
+    {"directory", "status": line, "ranks": int | None, "files": int, "bytes_on_disk": int,
+     "optimizers": {prefix: {"format": 2 | 1 | "torch", "params": int, "with_state": int,
+                             "state_bytes": int,
+                             "groups": [{"hyperparameters": {name: value} | None,
+                                         "params": {fqn: {"state": {key: {"dtype", "shape",
+                                                                          "bytes"}},
+                                                          "scalars": {key: value}}}}]}}}
+    ```
 
     ``hyperparameters`` is None when ``read_hyperparameters=False`` (only ``.metadata`` is read;
-    params then form one group). Raises FileNotFoundError (no checkpoint there),
-    IncompleteCheckpointError (the save never finished), CorruptCheckpointError (missing,
-    truncated or replaced files, a checksum mismatch with ``verify_checksums``, an unreadable
-    item), UnsafeCheckpointError (``.metadata`` or an item asks for code), and
-    ``pickle.UnpicklingError`` / ``EOFError`` for a ``.metadata`` that is not a pickle.
+    params then form one group).
+
+    Args:
+        directory: The checkpoint directory.
+        read_hyperparameters: Also read the hyperparameters (not only ``.metadata``).
+        verify_checksums: Verify every file's checksum.
+
+    Returns:
+        The description above.
+
+    Raises:
+        FileNotFoundError: No checkpoint there.
+        IncompleteCheckpointError: The save never finished.
+        CorruptCheckpointError: Missing, truncated or replaced files, a checksum mismatch with
+            ``verify_checksums``, an unreadable item.
+        UnsafeCheckpointError: ``.metadata`` or an item asks for code.
+        pickle.UnpicklingError: A ``.metadata`` that is not a pickle (or ``EOFError``).
     """
     path = os.path.abspath(os.fspath(directory))
     marker, status = _integrity(path, verify_checksums)

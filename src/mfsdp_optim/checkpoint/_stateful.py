@@ -22,10 +22,19 @@ class OptimizerStateful(Stateful):
     works, and a save through it writes (zero, ``step`` 0) state for params that never stepped.
     Pass ``materialize=False`` for a save-only adapter that writes exactly the live state.
 
-    Layout::
+    Layout:
 
-        {"optimizer": {"state": ..., "param_to_group_meta": ...},
-         "grad_scaler": {"scale": 65536.0, ...}}          # only with a grad scaler
+    ```python
+    {"optimizer": {"state": ..., "param_to_group_meta": ...},
+     "grad_scaler": {"scale": 65536.0, ...}}          # only with a grad scaler
+    ```
+
+    Args:
+        optimizer: Needs ``sharded_state_dict(is_loading=...)`` and ``load_state_dict(sd)`` (a
+            [FullyShardedOptimizer][mfsdp_optim.optimizer.FullyShardedOptimizer]).
+        grad_scaler: The grad scaler to save and load along (default: the optimizer's own
+            ``grad_scaler`` attribute, if any).
+        materialize: Materialise state before every ``state_dict()`` (needed to load).
     """
 
     def __init__(self, optimizer: Any, *, grad_scaler: Any = None, materialize: bool = True):
