@@ -223,6 +223,39 @@ def test_api_page_renders_docstrings(built_site):
     for option in ("clip_grad", "norm_type", "filter_empty_shards", "host_sync"):
         assert re.search(_cell(option), config), option
     assert not re.search(r"<details[^>]*>(?:(?!</details>).)*filter_empty_shards", config, re.S)
-    # FullyShardedOptimizer's Args: a parameters table
-    wrapper = html[html.index('id="mfsdp_optim.optimizer.FullyShardedOptimizer"') :]
-    assert re.search(_cell("model_chunks"), wrapper)
+    # FullyShardedOptimizer's Args: a parameters table holding every constructor argument
+    wrapper = _object(html, "mfsdp_optim.optimizer.FullyShardedOptimizer")
+    table = _section_table(wrapper, "Parameters")
+    for arg in ("optimizer", "config", "grad_scaler", "init_state_fn", "model_chunks"):
+        assert re.search(_cell(arg), table), arg
+    # NamedTuple fields as Attributes rows, step()'s tuple as named Returns rows
+    for obj, names in (
+        ("mfsdp_optim.stats.GradStats", ("total_norm", "num_zeros", "found_inf")),
+        ("mfsdp_optim.DuplicatedParam", ("fqn", "copies", "meshes", "placements", "evidence")),
+    ):
+        table = _section_table(_object(html, obj), "Attributes")
+        for name in names:
+            assert re.search(_cell(name), table), (obj, name)
+    step = _section_table(
+        _object(html, "mfsdp_optim.optimizer.FullyShardedOptimizer.step"), "Returns"
+    )
+    for name in ("update_successful", "grad_norm", "num_zeros_in_grad"):
+        assert re.search(_cell(name), step), name
+    # a reST literal block ("Save::") shows up as text ending in "::"
+    literal = re.findall(r"[^\s<>]{1,40}::</p>", html)
+    assert not literal, f"reST literal blocks on the API page: {literal}"
+
+
+def _object(html: str, identifier: str) -> str:
+    """The HTML of one documented object, from its heading to the next object's heading."""
+    start = html.index(f'id="{identifier}"')
+    end = html.find('<div class="doc doc-object', start)
+    return html[start : end if end != -1 else len(html)]
+
+
+def _section_table(html: str, title: str) -> str:
+    """The first ``title:`` section table in ``html`` (empty when there is none)."""
+    m = re.search(
+        rf'<span class="doc-section-title">{title}:</span>.*?<table>(.*?)</table>', html, re.S
+    )
+    return m.group(1) if m else ""
