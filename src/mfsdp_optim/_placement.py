@@ -16,7 +16,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["LayoutInfo", "layout_info", "require_dtensor", "mesh_ranks_outside_group"]
+__all__ = [
+    "LayoutInfo",
+    "in_layout_of",
+    "layout_info",
+    "mesh_ranks_outside_group",
+    "require_dtensor",
+]
 
 
 class LayoutInfo(NamedTuple):
@@ -88,3 +94,16 @@ def _mesh_ranks_outside_group(mesh: DeviceMesh, group: dist.ProcessGroup | None)
         members = set(dist.get_process_group_ranks(group))
     mesh_ranks = torch.as_tensor(mesh.mesh).flatten().tolist()
     return tuple(sorted(r for r in mesh_ranks if r not in members))
+
+
+def in_layout_of(local: torch.Tensor, like: DTensor) -> DTensor:
+    """``local`` as this rank's shard of a DTensor with ``like``'s mesh, placements, global shape
+    and stride (``DTensor.from_local``, no copy, no check)."""
+    return DTensor.from_local(
+        local,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )

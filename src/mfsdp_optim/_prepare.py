@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ._buckets import BucketKey, Buckets, layout_of
+from ._placement import in_layout_of
 from ._slots import Slot
 
 __all__ = ["PreparePlan", "Preparer"]
@@ -173,14 +174,7 @@ class Preparer:
             if cast_grads and local.dtype is not key[1]:
                 s.saved_grad = g
                 local = local.to(key[1])
-                s.work_grad = DTensor.from_local(
-                    local,
-                    g.device_mesh,
-                    g.placements,
-                    run_check=False,
-                    shape=g.shape,
-                    stride=g.stride(),
-                )
+                s.work_grad = in_layout_of(local, g)
                 self.any_cast = True
             buckets[key].append(local)
             keys.append(key)

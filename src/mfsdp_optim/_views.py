@@ -26,6 +26,7 @@ from contextlib import contextmanager
 import torch
 from torch.distributed.tensor import DTensor
 
+from ._placement import in_layout_of
 from ._slots import Slot
 
 __all__ = ["SCALAR_STATE_KEYS", "as_stock_value", "local_shard_view"]
@@ -43,14 +44,7 @@ def as_stock_value(key: str, value: object, param: DTensor, local: torch.Tensor)
         and value.shape == local.shape
         and (local.dim() > 0 or key not in SCALAR_STATE_KEYS)
     ):
-        return DTensor.from_local(
-            value,
-            param.device_mesh,
-            param.placements,
-            run_check=False,
-            shape=param.shape,
-            stride=param.stride(),
-        )
+        return in_layout_of(value, param)
     return value
 
 

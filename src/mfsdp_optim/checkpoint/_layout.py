@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
+from .._placement import in_layout_of
 from ._values import dtype_from_name, dtype_name
 
 __all__ = ["StateLayoutError", "Slot", "classify", "placeholder", "wrap"]
@@ -74,14 +75,7 @@ def wrap(value: torch.Tensor, param: DTensor) -> DTensor:
     """A parameter-shaped state tensor as a DTensor in the parameter's layout, sharing storage."""
     if isinstance(value, DTensor):
         return value
-    return DTensor.from_local(
-        value,
-        param.device_mesh,
-        param.placements,
-        run_check=False,
-        shape=param.shape,
-        stride=param.stride(),
-    )
+    return in_layout_of(value, param)
 
 
 def placeholder(slot: Slot, param: DTensor) -> Any:

@@ -780,15 +780,10 @@ def _clone(value: Any) -> Any:
     """A staging copy of a load target: containers copied, tensors cloned, the rest shared."""
     from torch.distributed.tensor import DTensor
 
+    from .._placement import in_layout_of
+
     if isinstance(value, DTensor):
-        return DTensor.from_local(
-            value._local_tensor.detach().clone(),
-            value.device_mesh,
-            value.placements,
-            run_check=False,
-            shape=value.shape,
-            stride=value.stride(),
-        )
+        return in_layout_of(value._local_tensor.detach().clone(), value)
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, Mapping):
