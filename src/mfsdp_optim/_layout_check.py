@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ._comm import all_gather_objects
+from ._slots import strip_compile_prefix
 
 __all__ = ["DuplicatedParam", "check_layout"]
 
@@ -93,8 +94,7 @@ def _named_params(model) -> Iterable[tuple[str, torch.Tensor]]:
         for name, p in chunk.named_parameters():
             if id(p) not in seen:
                 seen.add(id(p))
-                # torch.compile's wrapper adds an ``_orig_mod`` level; FQNs never carry it
-                yield ".".join(part for part in name.split(".") if part != "_orig_mod"), p
+                yield strip_compile_prefix(name), p
 
 
 def check_layout(

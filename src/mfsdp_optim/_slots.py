@@ -24,7 +24,7 @@ from ._placement import mesh_ranks_outside_group
 if TYPE_CHECKING:
     from ._buckets import BucketKey
 
-__all__ = ["Slot", "SlotTable", "fqn_map"]
+__all__ = ["Slot", "SlotTable", "fqn_map", "strip_compile_prefix"]
 
 _COMPILE_PREFIX = "_orig_mod"
 
@@ -61,7 +61,8 @@ class Slot:
         self.fast_list: list[torch.Tensor] | None = None
 
 
-def _strip_compile(name: str) -> str:
+def strip_compile_prefix(name: str) -> str:
+    """``name`` without ``torch.compile``'s ``_orig_mod`` component (stock DCP's FQN)."""
     return ".".join(part for part in name.split(".") if part != _COMPILE_PREFIX)
 
 
@@ -72,7 +73,7 @@ def fqn_map(model_chunks: Sequence[torch.nn.Module]) -> dict[int, str]:
     collisions: dict[str, list[int]] = defaultdict(list)
     for c, chunk in enumerate(model_chunks):
         for raw, param in chunk.named_parameters():
-            name = _strip_compile(raw)
+            name = strip_compile_prefix(raw)
             if name in owner and owner[name] != c:
                 collisions[name].extend([owner[name], c])
                 continue
