@@ -20,6 +20,14 @@ around one contender's whole loop with one synchronize at its end (for (c) the r
 is inside the window). The median over rounds is reported as iterations/s, with c/a, c/b, b/a
 (ratios of iterations/s: above 1, the first is faster).
 
+A fourth model, **stock2**, trains exactly like (a) (same seed, same batches) but is not
+timed: how far it ends from (a) is the device's own run-to-run noise (on CUDA, atomics in
+attention's and the embedding's backward make two identical runs differ in the last bits, and
+Adam amplifies that over hundreds of steps). The checks below compare against (a) with the
+tolerance ``--rtol`` widened to at least 3x stock2's own deviation, and print both.
+``--deterministic`` turns that noise off (``torch.use_deterministic_algorithms``, the math
+attention kernel, ``CUBLAS_WORKSPACE_CONFIG``), so the contenders must then agree to ``--rtol``.
+
 Self-checks (the run fails rather than time broken training): after the rounds every model has
 taken the same steps on the same batches, so the last training losses and a no-grad loss on a
 fixed batch must agree across contenders (``--rtol``), that loss must have fallen from its start
@@ -204,6 +212,11 @@ def main() -> None:
         help="relative tolerance of the cross-contender loss and norm checks",
     )
     ap.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic kernels (slower): the noise band of stock2 shrinks to rounding",
+    )
+    ap.add_argument(
         "--compare",
         default="",
         help="also run (b) and (c) with another importable copy of the package: "
@@ -217,6 +230,12 @@ def main() -> None:
     if args.dim % args.heads:
         raise SystemExit(f"--dim {args.dim} is not a multiple of --heads {args.heads}")
     other = _import_other(args.compare) if args.compare else None
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts
+        torch.use_deterministic_algorithms(True)
+        if torch.cuda.is_available():
+            torch.backends.cuda.enable_flash_sdp(False)
+            torch.backends.cuda.enable_mem_efficient_sdp(False)
 
     from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
 
@@ -257,6 +276,9 @@ def main() -> None:
         model = _build(args, device, mesh)
         contenders.append(Contender(name, model, batches, kind, mod_fso(adamw(model), cfg)))
 
+    model = _build(args, device, mesh)
+    noise = Contender("stock2", model, batches, "stock", adamw(model))  # untimed: the noise band
+
     params = list(contenders[0].model.parameters())
     numel = sum(p.numel() for p in params)
     print(
@@ -269,8 +291,10 @@ def main() -> None:
     )
 
     start_loss = [_eval_loss(c.model, batches[0]) for c in contenders]
+    noise_start = _eval_loss(noise.model, batches[0])
     for c in contenders:
         c.run(args.warmup, device)
+    noise.run(args.warmup + args.rounds * args.iters, device)
     times: dict[str, list[float]] = {c.name: [] for c in contenders}
     for r in range(args.rounds):
         order = contenders[r % len(contenders) :] + contenders[: r % len(contenders)]
@@ -291,17 +315,54 @@ def main() -> None:
             f", {k}/a {v / a:.3f}" for k, v in ips.items() if k not in ("stock", "wrap", "nosync")
         )
     )
-    _check(args, contenders, start_loss, batches)
+    _check(args, contenders, start_loss, batches, noise, noise_start)
     dist.destroy_process_group()
 
 
-def _check(args, contenders: list[Contender], start_loss: list[float], batches) -> None:
-    """Fail unless every contender trained, and trained alike."""
+def _deviation(c: Contender, ref: Contender, evals, losses, start, ref_start) -> dict[str, float]:
+    """Relative deviations of ``c`` from ``ref``: final losses, the loss fall, the worst norm."""
+    fell, ref_fell = start - evals[c.name], ref_start - evals[ref.name]
+    return {
+        "training loss": abs(losses[c.name] - losses[ref.name]) / abs(losses[ref.name]),
+        "batch-0 loss": abs(evals[c.name] - evals[ref.name]) / abs(evals[ref.name]),
+        "loss fall": abs(fell - ref_fell) / abs(ref_fell),
+        "norms": max(
+            (abs(x - y) / max(abs(y), 1e-12) for x, y in zip(c.norms, ref.norms)), default=0.0
+        ),
+    }
+
+
+def _check(
+    args,
+    contenders: list[Contender],
+    start_loss: list[float],
+    batches,
+    noise: Contender,
+    noise_start: float,
+) -> None:
+    """Fail unless every contender trained, and trained alike (within the noise band)."""
     ref = contenders[0]
     problems = []
-    losses = {c.name: float(c.loss) for c in contenders}  # type: ignore[arg-type]
-    evals = {c.name: _eval_loss(c.model, batches[0]) for c in contenders}
+    losses = {c.name: float(c.loss) for c in contenders + [noise]}  # type: ignore[arg-type]
+    evals = {c.name: _eval_loss(c.model, batches[0]) for c in contenders + [noise]}
+    band = _deviation(noise, ref, evals, losses, noise_start, start_loss[0])
+    tol = {k: max(args.rtol, 3 * v) for k, v in band.items()}
+    print(
+        "noise band (stock2 vs stock, relative): "
+        + ", ".join(f"{k} {v:.2e}" for k, v in band.items())
+    )
     for c, start in zip(contenders, start_loss):
+        if c is not ref:
+            dev = _deviation(c, ref, evals, losses, start, start_loss[0])
+            print(
+                f"{c.name} vs stock (relative): "
+                + ", ".join(f"{k} {v:.2e}" for k, v in dev.items())
+            )
+            problems += [
+                f"{c.name}: {k} deviates {v:.2e} from stock (tolerance {tol[k]:.2e})"
+                for k, v in dev.items()
+                if v > tol[k]
+            ]
         if c.steps != ref.steps or len(c.norms) != ref.steps:
             problems.append(
                 f"{c.name}: {c.steps} steps, {len(c.norms)} norms, expected {ref.steps}"
@@ -312,20 +373,6 @@ def _check(args, contenders: list[Contender], start_loss: list[float], batches) 
             problems.append(
                 f"{c.name}: loss on batch 0 did not fall ({start:.4f} -> {evals[c.name]:.4f})"
             )
-        for what, got, want in (
-            ("training loss", losses[c.name], losses[ref.name]),
-            ("batch-0 loss", evals[c.name], evals[ref.name]),
-        ):
-            if not math.isclose(got, want, rel_tol=args.rtol):
-                problems.append(f"{c.name}: {what} {got:.6f} vs stock {want:.6f}")
-        fell, ref_fell = start - evals[c.name], start_loss[0] - evals[ref.name]
-        if abs(fell - ref_fell) > args.rtol * abs(ref_fell):
-            problems.append(f"{c.name}: batch-0 loss fell by {fell:.6f}, stock's by {ref_fell:.6f}")
-        worst = max(
-            (abs(x - y) / max(abs(y), 1e-12) for x, y in zip(c.norms, ref.norms)), default=0.0
-        )
-        if worst > args.rtol:
-            problems.append(f"{c.name}: norms differ from stock's by up to {worst:.2e} relative")
     first = ref.norms[0] if ref.norms else float("nan")
     print(
         f"check: {ref.steps} steps each; batch-0 loss {start_loss[0]:.4f} -> "

@@ -115,13 +115,14 @@ def _state(opt):
 
 
 def _group_steps(opt):
-    """{fqn: step}: apex keeps ``step`` in the param group (an int, or a CUDA tensor when
-    capturable), AdamW per param."""
-    sd = opt.sharded_state_dict()
+    """{param index: step} from the stock ``state_dict()``: apex keeps ``step`` in the param
+    group (an int, or a CUDA tensor when capturable), AdamW per param in its state."""
+    sd = opt.state_dict()
     out = {}
-    for n, meta in sd["param_to_group_meta"].items():
-        step = meta.get("step", sd["state"].get(n, {}).get("step"))
-        out[n] = int(torch.as_tensor(step).reshape(-1)[0])
+    for g in sd["param_groups"]:
+        for i in g["params"]:
+            step = g.get("step", sd["state"].get(i, {}).get("step"))
+            out[i] = int(torch.as_tensor(step).reshape(-1)[0])
     return out
 
 
@@ -195,7 +196,7 @@ def _scenario(master: bool, ckpt_dir: str) -> None:
         for k in st_a[n]:
             assert torch.equal(st_a[n][k], st_b[n][k]), f"restored {n}.{k} differs"
     steps_a, steps_b = _group_steps(opt_a), _group_steps(opt_b)
-    assert steps_a == steps_b == {n: STEPS for n in pr}, (steps_a, steps_b)
+    assert steps_a == steps_b == {i: STEPS for i in range(len(pr))}, (steps_a, steps_b)
     x, y = batches[STEPS]
     _train_step(model_a, opt_a, x, y)
     _train_step(model_b, opt_b, x, y)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ._group_lists import aligned_lists
 from ._placement import mesh_ranks_outside_group
 
 if TYPE_CHECKING:
@@ -137,6 +138,7 @@ class SlotTable:
         groups = self.optimizer.param_groups
         named = self._name_params(groups)
         self._check_stats_group(named)
+        aligned_lists(self.optimizer)  # raises now, not inside a step, if they drifted apart
         slots = []
         for fqn, p, gi in named:
             held = not (self.filter_empty and p._local_tensor.numel() == 0)

@@ -7,7 +7,10 @@ duration of one ``step()`` call, ``local_shard_view`` therefore shows it local t
   as LBFGS keep a reference to it) holds ``p._local_tensor`` of the params it steps on this
   rank;
 * ``optimizer.state`` is a mapping keyed by those local tensors whose DTensor values are replaced
-  by their local tensors (zero copy: in-place updates reach the DTensor state).
+  by their local tensors (zero copy: in-place updates reach the DTensor state);
+* lists kept beside the groups, position by position with their params (apex FusedAdam's
+  ``param_groups_master``, see ``_group_lists``), are refilled in place the same way: the entries
+  of the params shown, DTensor masters as their local tensors.
 
 When the step returns (or raises), the lists hold the user's DTensors again, ``optimizer.state``
 is the original mapping object, and every state value the step created or replaced is put back
@@ -26,6 +29,7 @@ from contextlib import contextmanager
 import torch
 from torch.distributed.tensor import DTensor
 
+from ._group_lists import aligned_lists
 from ._placement import in_layout_of
 from ._slots import Slot
 
@@ -62,11 +66,20 @@ def local_shard_view(
     saved = [list(g["params"]) for g in groups]
     shown: list[list[torch.Tensor]] = [[] for _ in groups]
     pairs: list[tuple[DTensor, torch.Tensor]] = []
+    beside = [lists for _, lists in aligned_lists(optimizer)]
+    shown_beside: list[list[list]] = [[[] for _ in groups] for _ in beside]
+    position = [0] * len(groups)  # slots come in group order: a slot's index in its group
     for s in slots:
+        gi = s.group_index
+        j = position[gi]
+        position[gi] = j + 1
         if s.held:
             local = s.param._local_tensor
-            shown[s.group_index].append(local)
+            shown[gi].append(local)
             pairs.append((s.param, local))
+            for lists, out in zip(beside, shown_beside):
+                out[gi].append(_local_value(lists[gi][j]))
+    saved_beside = [[list(lst) for lst in lists] for lists in beside]
     state = optimizer.state
     view: defaultdict[torch.Tensor, dict] = defaultdict(dict)
     for p, local in pairs:
@@ -76,13 +89,21 @@ def local_shard_view(
     try:
         for g, params in zip(groups, shown):
             g["params"][:] = params
+        _refill(beside, shown_beside)
         optimizer.state = view
         yield pairs
     finally:
         for g, params in zip(groups, saved):
             g["params"][:] = params
+        _refill(beside, saved_beside)
         optimizer.state = state
         _write_back(state, view, pairs)
+
+
+def _refill(lists: list[list[list]], contents: list[list[list]]) -> None:
+    for per_group, new in zip(lists, contents):
+        for lst, entries in zip(per_group, new):
+            lst[:] = entries
 
 
 def _write_back(state: dict, view: dict, pairs: list[tuple[DTensor, torch.Tensor]]) -> None:

@@ -8,6 +8,12 @@ whose params are zero clones (with zero grads) of the params that lack state, ru
 reset to 0. The scratch clones cost one param-sized buffer per state-less param for the duration.
 Afterwards the live params' version counters and the hyperparameters are checked unchanged.
 
+A DTensor param is cloned as its local shard, as the wrapper's ``step()`` shows it (no DTensor
+dispatch, and optimizers whose kernels read raw pointers, such as apex's FusedAdam, work); the
+state it gets is put back as stock torch holds it (``_views.as_stock_value``: parameter-shaped
+tensors as DTensors in the param's layout). Lists the optimizer keeps beside its groups (apex's
+``param_groups_master``, ``_group_lists``) get scratch entries aligned with the clones.
+
 Optimizers whose ``step`` needs a closure (LBFGS) or sparse grads (SparseAdam) cannot be stepped
 this way: pass ``init_state_fn`` to ``build_sharded_state_dict``.
 """
@@ -18,6 +24,10 @@ import copy
 from collections import OrderedDict, defaultdict
 
 import torch
+from torch.distributed.tensor import DTensor
+
+from .._group_lists import aligned_lists
+from .._views import as_stock_value
 
 __all__ = ["materialize_optimizer_state"]
 
@@ -53,6 +63,23 @@ def _zero_step(value):
     return type(value)(0)
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p._local_tensor.detach() if isinstance(p, DTensor) else p.detach()
+
+
+def _scratch_entry(entry: object, clone: torch.Tensor) -> object:
+    """A scratch stand-in, for ``clone``, of one entry of a list kept beside the groups."""
+    if isinstance(entry, torch.Tensor):
+        return torch.zeros_like(clone, dtype=entry.dtype)
+    return entry
+
+
+def _as_stock(key: str, value: object, param: torch.Tensor, clone: torch.Tensor) -> object:
+    if isinstance(param, DTensor):
+        return as_stock_value(key, value, param, clone)
+    return value
+
+
 def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Give every param of ``optimizer`` that has no state the state its first step would create,
     with ``step`` = 0, leaving params, param groups and existing state untouched."""
@@ -63,6 +90,7 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     versions = [(p, p._version) for g in optimizer.param_groups for p in g["params"]]
     before = _snapshot(optimizer)
 
+    beside = aligned_lists(optimizer)
     scratch = copy.copy(optimizer)  # shares defaults and class; state and groups replaced below
     scratch.state = defaultdict(dict)
     scratch._optimizer_step_pre_hooks = OrderedDict()
@@ -70,20 +98,28 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     origin: dict[int, torch.Tensor] = {}
     clones: list[torch.Tensor] = []
     groups = []
+    scratch_beside: list[list[dict]] = [[] for _ in beside]
     with torch.no_grad():
-        for g in optimizer.param_groups:
+        for gi, g in enumerate(optimizer.param_groups):
             params = []
-            for p in g["params"]:
+            entries: list[list] = [[] for _ in beside]
+            for j, p in enumerate(g["params"]):
                 if id(p) not in missing_ids:
                     continue
-                c = torch.zeros_like(p.detach())
+                c = torch.zeros_like(_local(p))
                 c.grad = torch.zeros_like(c)
                 origin[id(c)] = p
                 clones.append(c)
                 params.append(c)
+                for (_, lists), out in zip(beside, entries):
+                    out.append(_scratch_entry(lists[gi][j], c))
             if params:
                 groups.append({**g, "params": params})
+                for out, lst in zip(scratch_beside, entries):
+                    out.append({"params": lst})
         scratch.param_groups = groups
+        for (attr, _), value in zip(beside, scratch_beside):
+            setattr(scratch, attr, value)
         try:
             type(optimizer).step(scratch)  # the class's step: bypasses instance patches
         except Exception as exc:
@@ -96,8 +132,9 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         new = scratch.state.get(c)
         if not new:
             continue  # this optimizer keeps no state for it (SGD without momentum)
-        optimizer.state[origin[id(c)]] = {
-            k: (_zero_step(v) if k == "step" else v) for k, v in new.items()
+        p = origin[id(c)]
+        optimizer.state[p] = {
+            k: (_zero_step(v) if k == "step" else _as_stock(k, v, p, c)) for k, v in new.items()
         }
     # group-level step (apex / TE FusedAdam keep ``step`` in the group): materialise it as 0
     touched = [

@@ -1,0 +1,79 @@
+"""Lists that some optimizers keep beside ``param_groups``, position by position with its params.
+
+apex's ``FusedAdam`` keeps ``param_groups_master``: one dict per param group whose ``params``
+list holds, at position ``j``, the fp32 master copy of ``group["params"][j]`` (``None`` without
+master weights). Its ``step()`` zips the two lists and hands both to its CUDA kernels, which read
+raw device pointers. So whoever shows such an optimizer other params than its own (the
+local-shard view of ``step()``, the checkpoint layer's scratch step) must show it a master list
+that matches, position by position, and holds plain tensors: a DTensor master's pointer is not its
+shard's.
+
+An aligned list is one that has exactly one entry per param of its group. The optimizer's own
+lists are never replaced: they are refilled in place for the duration and then restored, as the
+``params`` lists are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ALIGNED_ATTRS", "AlignmentError", "aligned_lists"]
+
+# attributes holding per-group lists aligned with param_groups (apex FusedAdam's master weights)
+ALIGNED_ATTRS = ("param_groups_master",)
+
+
+class AlignmentError(ValueError):
+    """A per-group list beside ``param_groups`` no longer matches the groups' params."""
+
+
+def aligned_lists(optimizer: torch.optim.Optimizer) -> list[tuple[str, list[list]]]:
+    """``(attribute, per-group params lists)`` for every attribute in ``ALIGNED_ATTRS`` that
+    ``optimizer`` has aligned with its groups; ``[]`` when it has none (every torch optimizer).
+
+    Raises:
+        AlignmentError: an attribute is present and holds tensors but does not have one dict per
+            param group with one entry per param (apex's ``add_param_group`` does not extend
+            ``param_groups_master``): its step would pair params with the wrong masters.
+    """
+    out = []
+    groups = optimizer.param_groups
+    for attr in ALIGNED_ATTRS:
+        value = getattr(optimizer, attr, None)
+        if value is None:
+            continue
+        lists = _group_params(value)
+        if lists is not None and _matches(lists, groups):
+            out.append((attr, lists))
+            continue
+        if _holds_tensors(value):
+            raise AlignmentError(
+                f"{type(optimizer).__name__}.{attr} does not match param_groups (it needs one "
+                "dict per group whose 'params' list has one entry per param of that group); "
+                "rebuild the optimizer instead of calling add_param_group, so its master "
+                "weights pair with the right params"
+            )
+    return out
+
+
+def _matches(lists: list[list], groups: list[dict]) -> bool:
+    return len(lists) == len(groups) and all(
+        len(lst) == len(g["params"]) for lst, g in zip(lists, groups)
+    )
+
+
+def _group_params(value: object) -> list[list] | None:
+    if not isinstance(value, list):
+        return None
+    lists = []
+    for entry in value:
+        params = entry.get("params") if isinstance(entry, dict) else None
+        if not isinstance(params, list):
+            return None
+        lists.append(params)
+    return lists
+
+
+def _holds_tensors(value: object) -> bool:
+    lists = _group_params(value)
+    return bool(lists) and any(isinstance(t, torch.Tensor) for lst in lists or () for t in lst)
