@@ -28,8 +28,7 @@ class MasterSGD(torch.optim.Optimizer):
     def __init__(self, params, lr: float, momentum: float):
         super().__init__(params, {"lr": lr, "momentum": momentum})
         self.param_groups_master = [
-            {"params": [p.detach().clone().float() for p in g["params"]]}
-            for g in self.param_groups
+            {"params": [p.detach().clone().float() for p in g["params"]]} for g in self.param_groups
         ]
 
     @torch.no_grad()
