@@ -134,6 +134,8 @@ def _sync(device: torch.device) -> None:
 class Contender:
     """One model and optimizer; ``run(n)`` does n training iterations from where it stands."""
 
+    clip = 1.0  # the stock contender's max norm (main sets it from --clip)
+
     def __init__(self, name, model, batches, kind, opt):
         self.name, self.model, self.batches, self.kind, self.opt = name, model, batches, kind, opt
         self.steps = 0
@@ -154,7 +156,7 @@ class Contender:
             loss = model(x, y)
             loss.backward()
             if self.kind == "stock":
-                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 if isinstance(norm, DTensor):
@@ -173,6 +175,31 @@ class Contender:
         _sync(device)
         self.loss = loss.detach()
         return time.perf_counter() - t0
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole value (FSDP2 leaves the root's params unsharded after a forward only)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _lockstep_warmup(n: int, contenders: list[Contender], noise: Contender, device) -> None:
+    """The untimed warm-up, one iteration of every contender at a time, printing each one's
+    grad norm and its params' largest deviation from stock's after the step (where two runs
+    part shows which step did it)."""
+    for i in range(n):
+        for c in contenders + [noise]:
+            c.run(1, device)
+        if i >= 10 and i != n - 1:
+            continue  # the first ten and the last are enough to see where runs part
+        # read after the step: FSDP2 swaps the registered params between forward and backward
+        named = [dict(c.model.named_parameters()) for c in contenders + [noise]]
+        row = []
+        for c, params in zip(contenders + [noise], named):
+            worst = max(
+                (_full(params[k]) - _full(v)).abs().max().item() for k, v in named[0].items()
+            )
+            row.append(f"{c.name} norm {c.norms[-1]:.6g} dparam {worst:.2e}")
+        print(f"warm-up {i + 1}: " + " | ".join(row))
 
 
 def _import_other(spec: str):
@@ -205,6 +232,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--clip", type=float, default=1.0, help="max grad norm of every contender")
     ap.add_argument(
         "--rtol",
         type=float,
@@ -225,6 +253,7 @@ def main() -> None:
         "OptimizerConfig takes host_sync)",
     )
     args = ap.parse_args()
+    Contender.clip = args.clip
     if args.iters < 1 or args.rounds < 1:
         raise SystemExit("--iters and --rounds must be at least 1")
     if args.dim % args.heads:
@@ -269,7 +298,7 @@ def main() -> None:
         mod_fso = FullyShardedOptimizer if pkg is None else pkg.FullyShardedOptimizer
         mod_cfg = OptimizerConfig if pkg is None else pkg.OptimizerConfig
         try:
-            cfg = mod_cfg(clip_grad=1.0, **({} if kind == "sync" else {"host_sync": False}))
+            cfg = mod_cfg(clip_grad=args.clip, **({} if kind == "sync" else {"host_sync": False}))
         except TypeError:
             print(f"{name}: skipped ({pkg.__name__}.OptimizerConfig takes no host_sync)")
             continue
@@ -286,15 +315,14 @@ def main() -> None:
         f" torch {torch.__version__}; TinyLM {args.layers} layers, d_model {args.dim}, "
         f"{args.heads} heads, seq {args.seq}, batch {args.batch}, vocab {args.vocab}: "
         f"{len(params)} params, {numel} elements; fp32, FSDP2 on 1 rank ({backend}), "
-        f"fused AdamW lr {args.lr:g}, clip 1.0; {args.warmup} warm-up + {args.rounds} rounds x "
-        f"{args.iters} iterations"
+        f"fused AdamW lr {args.lr:g}, clip {args.clip:g}; {args.warmup} warm-up + "
+        f"{args.rounds} rounds x {args.iters} iterations"
     )
 
     start_loss = [_eval_loss(c.model, batches[0]) for c in contenders]
     noise_start = _eval_loss(noise.model, batches[0])
-    for c in contenders:
-        c.run(args.warmup, device)
-    noise.run(args.warmup + args.rounds * args.iters, device)
+    _lockstep_warmup(args.warmup, contenders, noise, device)
+    noise.run(args.rounds * args.iters, device)
     times: dict[str, list[float]] = {c.name: [] for c in contenders}
     for r in range(args.rounds):
         order = contenders[r % len(contenders) :] + contenders[: r % len(contenders)]
@@ -381,7 +409,7 @@ def _check(
         + ", ".join(f"{k} {v:.6f}" for k, v in losses.items())
         + f"; grad norm step 1 {first:.4f}, last "
         + ", ".join(f"{c.name} {c.norms[-1]:.6f}" for c in contenders if c.norms)
-        + f" (rtol {args.rtol:g}); clip acted on {sum(n > 1.0 for n in ref.norms)}/"
+        + f" (rtol {args.rtol:g}); clip acted on {sum(n > args.clip for n in ref.norms)}/"
         f"{len(ref.norms)} steps; "
         + ", ".join(
             f"{c.name}: {getattr(c.opt, 'fast_steps', '?')} fast steps, "

@@ -27,6 +27,7 @@ class MasterSGD(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float, momentum: float):
         super().__init__(params, {"lr": lr, "momentum": momentum})
+        self.capturable = False  # an attribute outside defaults/state/groups, as apex has
         self.param_groups_master = [
             {"params": [p.detach().clone().float() for p in g["params"]]} for g in self.param_groups
         ]
@@ -35,6 +36,7 @@ class MasterSGD(torch.optim.Optimizer):
     def step(self, closure=None):
         from torch.distributed.tensor import DTensor
 
+        assert not self.capturable
         for group, masters in zip(self.param_groups, self.param_groups_master, strict=True):
             group["step"] = group.get("step", 0) + 1
             for p, m in zip(group["params"], masters["params"], strict=True):

@@ -31,9 +31,8 @@ The detailed description (the fallback's payload)::
 
 from __future__ import annotations
 
-import copy
 import hashlib
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -43,6 +42,7 @@ import torch.distributed as dist
 from .._comm import all_gather_objects, all_reduce_max
 from .._params import ParamRecord
 from ._layout import Slot, StateLayoutError, classify
+from ._materialize import scratch_copy
 from ._values import PlainValueError, dtype_name, group_meta
 
 __all__ = ["Keyspace", "LocalState", "agree", "derive_signature", "describe", "gather", "merge"]
@@ -81,10 +81,7 @@ def derive_signature(
     step creates none (SGD without momentum) give ``()``; an optimizer that cannot be stepped this
     way (a closure, sparse grads) gives ``(("?", "?"),)``, which never matches a real signature, so
     the agreement falls back to learning the keys from the ranks that hold them."""
-    scratch = copy.copy(optimizer)
-    scratch.state = defaultdict(dict)
-    scratch._optimizer_step_pre_hooks = OrderedDict()
-    scratch._optimizer_step_post_hooks = OrderedDict()
+    scratch = scratch_copy(optimizer)
     p = torch.zeros(0, dtype=dtype)
     p.grad = torch.zeros_like(p)
     scratch.param_groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [p]}]

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from .._group_lists import aligned_lists
 from .._views import as_stock_value
 
-__all__ = ["materialize_optimizer_state"]
+__all__ = ["materialize_optimizer_state", "scratch_copy"]
 
 
 def _snapshot(optimizer: torch.optim.Optimizer) -> list[dict]:
@@ -63,6 +63,20 @@ def _zero_step(value):
     return type(value)(0)
 
 
+def scratch_copy(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A shallow copy of ``optimizer`` with its own empty state and no step hooks, for stepping
+    other params with the class's own ``step``. Every attribute is shared (``copy.copy`` would
+    keep only what ``Optimizer.__getstate__`` names: defaults, state, param_groups, and so drop
+    e.g. apex FusedAdam's ``capturable`` and ``param_groups_master``); the caller sets
+    ``param_groups`` (and any list kept beside them) before stepping it."""
+    scratch = object.__new__(type(optimizer))
+    scratch.__dict__.update(optimizer.__dict__)
+    scratch.state = defaultdict(dict)
+    scratch._optimizer_step_pre_hooks = OrderedDict()
+    scratch._optimizer_step_post_hooks = OrderedDict()
+    return scratch
+
+
 def _local(p: torch.Tensor) -> torch.Tensor:
     return p._local_tensor.detach() if isinstance(p, DTensor) else p.detach()
 
@@ -91,10 +105,7 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     before = _snapshot(optimizer)
 
     beside = aligned_lists(optimizer)
-    scratch = copy.copy(optimizer)  # shares defaults and class; state and groups replaced below
-    scratch.state = defaultdict(dict)
-    scratch._optimizer_step_pre_hooks = OrderedDict()
-    scratch._optimizer_step_post_hooks = OrderedDict()
+    scratch = scratch_copy(optimizer)  # its param groups are replaced below
     origin: dict[int, torch.Tensor] = {}
     clones: list[torch.Tensor] = []
     groups = []
