@@ -18,7 +18,9 @@ This module closes the first two for this package's own reads and for users who 
 * ``SafeFileSystemReader`` is a ``FileSystemReader`` whose ``read_metadata`` is the above.
 * ``SafeLoadPlanner`` is a ``DefaultLoadPlanner`` whose ``load_bytes`` uses
   ``torch.load(weights_only=True)``: plain numbers, strings, tuples, lists, dicts and tensors load;
-  arbitrary objects are refused.
+  arbitrary objects are refused. The one callable it adds to torch's allow-list is
+  ``builtins.tuple``, which the format-3 ``param_to_group_meta`` table pickles through (its
+  ``__reduce__`` is ``tuple(<tagged tuple of builtins>)``; see ``_table``).
 
 Pass both to ``dcp.load(state, storage_reader=SafeFileSystemReader(path),
 planner=SafeLoadPlanner())``; ``mfsdp_optim.checkpoint.load_checkpoint()`` does.
@@ -127,7 +129,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         from torch.distributed.checkpoint._traverse import set_element
 
         try:
-            obj = torch.load(value, weights_only=True)
+            with torch.serialization.safe_globals([tuple]):  # the format-3 table's __reduce__
+                obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
             detail = str(exc).strip().splitlines()
             why = next((ln for ln in detail if "GLOBAL" in ln or "global" in ln), detail[-1:])
