@@ -107,7 +107,18 @@ def safe_read_metadata(path: str | os.PathLike) -> Any:
 
 class SafeFileSystemReader(FileSystemReader):
     """``FileSystemReader`` whose ``.metadata`` is unpickled with an allow-list (tensor data is
-    read as torch does, ``weights_only=True``)."""
+    read as torch does, ``weights_only=True``).
+
+    Args:
+        path: The checkpoint directory.
+        metadata: The ``Metadata`` already read from ``path`` with ``safe_read_metadata()`` (it
+            is then not read again; ``load_checkpoint`` passes the one it verified).
+        **kwargs: Passed to ``FileSystemReader``.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, metadata: Any = None, **kwargs: Any):
+        super().__init__(path, **kwargs)
+        self._mfsdp_metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any):
         from torch.distributed.checkpoint.metadata import StorageMeta
@@ -115,7 +126,9 @@ class SafeFileSystemReader(FileSystemReader):
         rank = kwargs.get("rank")
         if rank is not None:  # per-rank metadata of a no-collectives save
             raise NotImplementedError("per-rank .metadata files are not supported here")
-        md = safe_read_metadata(self.path)
+        md = self._mfsdp_metadata
+        if md is None:
+            md = safe_read_metadata(self.path)
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
