@@ -1,6 +1,6 @@
 """``build_sharded_state_dict``: the fsdp_dtensor optimizer state dict of one rank.
 
-Layout (``fqn`` from the model's ``named_parameters()``; format 3, since 0.3.0)::
+Layout (``fqn`` from the model's ``named_parameters()``; format 3, the current layout)::
 
     {"state": {"layers.0.weight": {"exp_avg": DTensor, "exp_avg_sq": DTensor},
                ...},
@@ -27,7 +27,7 @@ whole keyspace: every FQN that any rank's base optimizer holds. When the ranks' 
 (the digest covers the table's content) every rank holds the same FQNs and builds it locally;
 otherwise it is built from the merged keyspace of the detailed exchange.
 
-Earlier layouts, which every loader still reads: format 2 (0.2.x) had one ``(hyperparameters,
+Earlier layouts, which every loader still reads: format 2 (after 0.1.0) had one ``(hyperparameters,
 scalars)`` tuple per FQN as a ``param_to_group_meta`` dict (one item per param, emitted by the
 ranks holding it); format 1 (0.1.0) a dict of hyperparameters per FQN (one item each) and
 ``step`` inside ``state[fqn]``.

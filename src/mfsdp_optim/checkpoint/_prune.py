@@ -32,10 +32,10 @@ def read_metadata(checkpoint: Any):
 
 def checkpoint_format(state_dict_metadata, fqns, prefix: str = "optimizer") -> int:
     """The layout of the optimizer saved under ``prefix``: 3 when the checkpoint holds ONE
-    ``<prefix>.param_to_group_meta`` item (0.3.0 and later), 2 when it holds
-    ``<prefix>.param_to_group_meta.<fqn>`` leaves (0.2.x; any of ``fqns``), 1 when it holds
-    0.1.0's ``<prefix>.param_to_group_meta.<fqn>.<name>`` entries instead; 3 when it holds none
-    of these (torch's layout, or no optimizer under ``prefix``)."""
+    ``<prefix>.param_to_group_meta`` item (the current layout), 2 when it holds
+    ``<prefix>.param_to_group_meta.<fqn>`` leaves (the layout after 0.1.0; any of ``fqns``),
+    1 when it holds 0.1.0's ``<prefix>.param_to_group_meta.<fqn>.<name>`` entries instead;
+    3 when it holds none of these (torch's layout, or no optimizer under ``prefix``)."""
     head = f"{prefix}.param_to_group_meta"
     if head in state_dict_metadata:
         return 3
@@ -54,7 +54,7 @@ def prune_to_checkpoint(state_dict: dict, checkpoint: Any, *, prefix: str = "opt
     drops the state of those params, as they were when saved. Only whole params are pruned: a
     param whose checkpoint entry lacks some keys stays, so the load reports the mismatch.
     The target's ``param_to_group_meta`` (format 3: one table, one item) is turned into the
-    checkpoint's: format 2's per-FQN leaves (0.2.x, one item per param; ``as_format2``) or
+    checkpoint's: format 2's per-FQN leaves (one item per param; ``as_format2``) or
     0.1.0's format 1 (a dict of hyperparameters per FQN, ``step`` in ``state``; ``as_format1``),
     all of which ``load_sharded_state_dict`` accepts. Works on every layout (``state`` keyed by
     FQN); tensors are shared, the input is not mutated. ``prefix`` is the key the optimizer

@@ -754,6 +754,7 @@ def _check_targets(path: str, flat: dict[str, Any], metadata: Any) -> tuple[list
             f"{path}: the checkpoint has no entries for {len(missing)} of the {len(flat)} keys "
             f"to load, e.g. {missing[:5]} (it holds top-level keys {prefixes[:10]}): a checkpoint "
             "of another model or optimizer, or saved under another prefix"
+            + _layout_hint(missing, md)
         )
     for key, value in flat.items():
         item = md.get(key)
@@ -776,6 +777,24 @@ def _check_targets(path: str, flat: dict[str, Any], metadata: Any) -> tuple[list
                 f"{value.dtype}"
             )
     return errors[:30], sorted(md)
+
+
+def _layout_hint(missing: list[str], md: Mapping) -> str:
+    """A hint when the target and the checkpoint hold ``param_to_group_meta`` in different
+    layouts (a format-3 target for a format-2 or 0.1.0 checkpoint, or the reverse)."""
+    for key in missing:
+        head, sep, _ = key.partition(".param_to_group_meta")
+        if not sep:
+            continue
+        table = f"{head}.param_to_group_meta"
+        per_fqn = key == table and any(k.startswith(table + ".") for k in md)
+        if per_fqn or (key != table and table in md):
+            return (
+                f". {table!r} is in another layout in the checkpoint (format 3 is one item, "
+                "formats 2 and 1 one or more per FQN): pass the target through "
+                "prune_to_checkpoint(target, directory) first"
+            )
+    return ""
 
 
 def _unexpected(ckpt_keys: list[str], target_keys: set[str]) -> list[str]:
