@@ -196,7 +196,10 @@ def worker(rank, world, args, tmp, queue):
             prof.enable()
             phase(res, name, fn)
             prof.disable()
-            pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+            restrict = (
+                [os.environ["BENCH_PROFILE_FILTER"]] if "BENCH_PROFILE_FILTER" in os.environ else []
+            )
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(*restrict, 25)
         else:
             phase(res, name, fn)
     if rank == 0:
@@ -254,9 +257,10 @@ def main():
     )
     print(
         f"{'':22}{'save s':>9}{'load s':>9}{'total s':>9}{'x stock':>9}{'MiB':>9}"
-        f"{'x stock':>9}{'items':>8}"
+        f"{'x stock':>9}{'items':>8}{'x plain':>9}"
     )
     stock_t = worst["stock_save_s"] + worst["stock_load_s"]
+    plain_t = worst["ours_save_s"] + worst["ours_load_s"]
     for kind, label in (
         ("stock", "stock torch"),
         ("ours", "ours, plain dcp"),
@@ -267,8 +271,13 @@ def main():
         print(
             f"{label:22}{worst[f'{kind}_save_s']:9.2f}{worst[f'{kind}_load_s']:9.2f}{t:9.2f}"
             f"{t / stock_t:9.2f}{b / 2**20:9.2f}{b / r0['stock_bytes']:9.2f}"
-            f"{r0[f'{kind}_items']:8d}"
+            f"{r0[f'{kind}_items']:8d}{t / plain_t:9.2f}"
         )
+    print(
+        "x plain: against ours with plain dcp.save/dcp.load (save_checkpoint/load_checkpoint "
+        f"with checksums on: save {worst['safe_save_s'] / worst['ours_save_s']:.2f}x, load "
+        f"{worst['safe_load_s'] / worst['ours_load_s']:.2f}x)"
+    )
     print(
         "peak RSS increase over the phase's start, MiB (rank 0 / rank "
         f"{args.world - 1}), state per rank {r0['state_bytes'] / 2**20:.2f} MiB:"

@@ -152,13 +152,21 @@ def plain(v):
 def global_state(sd):
     """{fqn: {key: full tensor | float}} and the hyperparameters; collective on every rank.
 
-    Either layout: a format-2 dict's leaves (hyperparameters + ``step``), which only the ranks
-    whose optimizer holds a param emit, are first shared with every rank (one object gather),
-    so every rank returns the same global view."""
+    Any layout: a format-3 table must be identical on every rank (checked with one object
+    gather); a format-2 dict's leaves (hyperparameters + ``step``), which only the ranks whose
+    optimizer holds a param emit, are first shared with every rank (one object gather), so
+    every rank returns the same global view."""
     from mfsdp_optim.checkpoint._load import as_format1
+    from mfsdp_optim.checkpoint._table import as_table, is_table
 
     leaves = sd["param_to_group_meta"]
-    if not any(isinstance(v, dict) for v in leaves.values()):  # format 2, even when empty here
+    if is_table(leaves):
+        table = as_table(leaves)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, table.as_tuple())
+        assert all(t == everyone[0] for t in everyone), "ranks emit different tables"
+        sd = as_format1({"state": sd["state"], "param_to_group_meta": table})
+    elif not any(isinstance(v, dict) for v in leaves.values()):  # format 2, even when empty
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, leaves)
         union = {}

@@ -26,6 +26,7 @@ from mfsdp_optim.checkpoint import (
     prune_to_checkpoint,
 )
 from mfsdp_optim.checkpoint._load import as_format1
+from mfsdp_optim.checkpoint._table import as_table
 
 STEPS = 2
 
@@ -197,10 +198,10 @@ class _Counter:
             setattr(dist, name, fn)
 
 
-def _keyspace(alias):
+def _keyspace(alias, filter_empty=True):
     from torch.distributed.tensor.debug import CommDebugMode
 
-    m = Model("fsdp", "adamw_amsgrad", alias=alias)
+    m = Model("fsdp", "adamw_amsgrad", alias=alias, filter_empty=filter_empty)
     for t in range(STEPS):
         m.step(t)
     with _Counter() as c, CommDebugMode() as comm:
@@ -236,27 +237,39 @@ def _keyspace(alias):
     )
 
 
+@pytest.mark.parametrize("filter_empty", [True, False])
 @pytest.mark.parametrize("alias", [True, False])
-def test_keyspace_identical_and_one_collective(ranks, alias):
-    out = ranks(4).run(_keyspace, alias)
+def test_keyspace_identical_and_one_collective(ranks, alias, filter_empty):
+    out = ranks(4).run(_keyspace, alias, filter_empty)
     keys0 = out[0][0]
     assert set(keys0) == {n for n, _ in PARAMS}
-    assert out[2][5] == ["tiny"] and out[3][5] == ["tiny", "layers.1.bias"]  # filter is on
-    for rank, (keys, meta, build_calls, functional, load_calls, filtered, empty) in enumerate(out):
+    if filter_empty:
+        assert out[2][5] == ["tiny"] and out[3][5] == ["tiny", "layers.1.bias"]
+    else:
+        assert all(o[5] == [] for o in out)
+    for rank, (keys, meta, build_calls, functional, load_calls, _, empty) in enumerate(out):
         # the filtered ranks derived the keys locally (zero-element step) and emit the same
         assert keys == keys0, f"rank {rank} keyspace differs"
         assert all("step" not in e for e in keys.values()), "scalars live in the leaves"
-        # a leaf per param this rank's optimizer holds, equal to rank 0's
-        assert set(meta) == {n for n, _ in PARAMS} - set(filtered), (rank, sorted(meta))
-        assert all(meta[f] == out[0][1][f] for f in meta)
+        # format 3: ONE table, identical on every rank, covering every param (the filtered
+        # ranks' ones too: they got the owners' leaves from the merged keyspace)
+        meta = as_table(meta)
+        assert list(meta) == [n for n, _ in PARAMS], (rank, list(meta))
+        assert meta.as_tuple() == as_table(out[0][1]).as_tuple()
         assert all(
             {k: v for k, v, _ in leaf[1]} == {"step": float(STEPS)} and dict(leaf[0])["amsgrad"]
             for leaf in meta.values()
         )
-        # the agreement is ONE all-reduce of a fixed-size digest; no gather, no DTensor
-        # redistribution, no per-tensor traffic; the load's validity check likewise
-        assert build_calls == {"all_reduce": 1}, build_calls
-        assert sum(functional.values()) == 1, functional
+        # the agreement is ONE all-reduce of a fixed-size digest; with the filter on, the ranks
+        # whose optimizer holds fewer params make the tables differ, so the detailed gather
+        # (sizes + payload) follows; no DTensor redistribution, no per-tensor traffic; the
+        # load's validity check is one all-reduce
+        if filter_empty:
+            assert build_calls == {"all_reduce": 1, "all_gather_single": 2}, build_calls
+            assert sum(functional.values()) == 3, functional
+        else:
+            assert build_calls == {"all_reduce": 1}, build_calls
+            assert sum(functional.values()) == 1, functional
         assert load_calls == {"all_reduce": 1}, load_calls
         assert all(shape[0] == 0 for shape in empty.values()), empty
 
@@ -293,7 +306,7 @@ def _keyspace_fallback(case):
     with _Counter() as c:
         sd = build_sharded_state_dict(m.optimizer, records)
     keys = {fqn: sorted(e) for fqn, e in sd["state"].items()}
-    return keys, sorted(sd["param_to_group_meta"]), dict(c.calls)
+    return keys, list(sd["param_to_group_meta"]), dict(c.calls)
 
 
 def test_keyspace_falls_back_to_detail_on_mismatch(ranks):
@@ -303,14 +316,15 @@ def test_keyspace_falls_back_to_detail_on_mismatch(ranks):
         assert calls == {"all_reduce": 1, "all_gather_single": 2}, calls
         assert ("rank1.extra" in keys) == (rank == 1), (rank, sorted(keys))
         assert keys["layers.0.weight"] == ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
-        assert ("rank1.extra" in meta) == (rank == 1)
+        # format 3: every rank's table covers the merged keyspace, in the same order
+        assert "rank1.extra" in meta and meta == out[0][1], (rank, meta)
     out = ranks(4).run(_keyspace_fallback, "never_stepped")
     for rank, (keys, meta, calls) in enumerate(out):
         # nobody stepped: the filtered ranks' derived keys disagree with the owners' (none),
         # and the owners' word wins: no state anywhere
         assert calls == {"all_reduce": 1, "all_gather_single": 2}, calls
         assert keys == {}, (rank, keys)
-        assert len(meta) == 5 - {2: 1, 3: 2}.get(rank, 0)
+        assert sorted(meta) == sorted(n for n, _ in PARAMS), (rank, meta)  # merged: all five
 
 
 # ------------------------------------------------------------------------------------------

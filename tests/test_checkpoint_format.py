@@ -1,5 +1,6 @@
-"""Checkpoint formats: the checked-in 0.1.0 checkpoint (tests/data/ckpt_v0_1_0, see _v010.py)
-still loads bit for bit, on its own world size and resharded."""
+"""Checkpoint formats: the checked-in 0.1.0 checkpoint (tests/data/ckpt_v0_1_0, see _v010.py) and
+the format-2 one (tests/data/ckpt_format2, see _format2.py) still load bit for bit, on their own
+world size and resharded."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from mfsdp_optim.checkpoint import (
 )
 
 V010 = os.path.join(os.path.dirname(__file__), "data", "ckpt_v0_1_0")
+FORMAT2 = os.path.join(os.path.dirname(__file__), "data", "ckpt_format2")
 
 
 def _full(optimizer, records) -> dict:
@@ -58,7 +60,9 @@ def _load_v010(path, via):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_v0_1_0_checkpoint_loads_bit_for_bit(ranks, world):
+@pytest.mark.parametrize("fixture", ["v0_1_0", "format2"])
+def test_checked_in_checkpoint_loads_bit_for_bit(ranks, world, fixture):
+    path = {"v0_1_0": V010, "format2": FORMAT2}[fixture]
     want = ranks(2).run(_recompute)[0]
     ref, ref_hyper = train()
     # precondition: the recomputation is the training the checkpoint holds (float32 rounding
@@ -69,7 +73,7 @@ def test_v0_1_0_checkpoint_loads_bit_for_bit(ranks, world):
             assert torch.allclose(want[fqn][k], ref[fqn][k], rtol=1e-6, atol=1e-7), (fqn, k)
     assert float(want["enc.weight"]["step"]) == STEPS
     for via in ("load_checkpoint", "dcp.load"):
-        out = ranks(world).run(_load_v010, V010, via)
+        out = ranks(world).run(_load_v010, path, via)
         for state, groups in out:
             assert same(state, want), f"{via} on {world} ranks"
             for g, saved in zip(groups, GROUPS, strict=True):

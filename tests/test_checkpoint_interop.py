@@ -253,7 +253,7 @@ def test_inspect_cli(ranks, tmp_path, capsys):
     code, out, _ = _inspect(capsys, native)
     assert code == 0 and out == r.stdout
     assert (
-        "[optimizer] layout fsdp_dtensor (format 2): 4 params, 4 with state, 1 group(s)" in out
+        "[optimizer] layout fsdp_dtensor (format 3): 4 params, 4 with state, 1 group(s)" in out
     ), out
     # the group's hyperparameters once, then the params with shapes, dtypes and steps
     assert out.count("lr=0.01") == 1 and out.count("weight_decay=0.1") == 1, out
@@ -274,7 +274,7 @@ def test_inspect_cli(ranks, tmp_path, capsys):
     code, out, _ = _inspect(capsys, native, "--json")
     report = json.loads(out)
     opt = report["optimizers"]["optimizer"]
-    assert code == 0 and opt["format"] == 2 and opt["params"] == 4 and report["ranks"] == 4
+    assert code == 0 and opt["format"] == 3 and opt["params"] == 4 and report["ranks"] == 4
     assert opt["groups"][0]["hyperparameters"]["lr"] == 0.01
     assert opt["groups"][0]["params"]["0.weight"]["scalars"] == {"step": 2.0}
     assert opt["groups"][0]["params"]["0.weight"]["state"]["exp_avg"] == {
@@ -282,6 +282,12 @@ def test_inspect_cli(ranks, tmp_path, capsys):
         "shape": [6, 8],
         "bytes": 192,
     }
+    # the checked-in format-2 checkpoint still lists (two groups; "frozen" without state)
+    fixture = os.path.join(os.path.dirname(__file__), "data", "ckpt_format2")
+    code, out, _ = _inspect(capsys, fixture)
+    assert code == 0, out
+    assert "layout fsdp_dtensor (format 2): 4 params, 3 with state, 2 group(s)" in out, out
+    assert "frozen    no state (never stepped when saved)" in out, out
     empty = tmp_path / "empty"
     empty.mkdir()
     code, _, err = _inspect(capsys, str(empty))

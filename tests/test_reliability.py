@@ -323,11 +323,15 @@ def _disagree(root, case):
     if case == "extra_param" and rank == 3:  # rank 3's model has a param the others lack
         sd["state"]["extra.weight"] = dict(sd["state"]["layers.0.weight"])
     if case == "scalar" and rank == 1:  # rank 1 is one step ahead: DCP would keep one 'step'
-        hyper, scalars = sd["param_to_group_meta"]["layers.0.bias"]
-        sd["param_to_group_meta"]["layers.0.bias"] = (
+        from mfsdp_optim.checkpoint._table import GroupMetaTable
+
+        leaves = dict(sd["param_to_group_meta"].items())  # the table is read-only: a new one
+        hyper, scalars = leaves["layers.0.bias"]
+        leaves["layers.0.bias"] = (
             hyper,
             tuple((k, v + 1 if k == "step" else v, dt) for k, v, dt in scalars),
         )
+        sd["param_to_group_meta"] = GroupMetaTable.from_leaves(leaves)
     t0 = time.monotonic()
     try:
         save_checkpoint({"optimizer": sd}, os.path.join(root, case))
@@ -341,7 +345,7 @@ DISAGREE = {
     "keyspace": ("KeyspaceError", "ranks hold different state keys"),
     "model": ("RankDisagreementError", "rank 2 has a DTensor [10, 9]"),
     "extra_param": ("RankDisagreementError", "ranks [0, 1, 2] do not have it"),
-    "scalar": ("RankDisagreementError", "'optimizer.param_to_group_meta.layers.0.bias'"),
+    "scalar": ("RankDisagreementError", "'optimizer.param_to_group_meta': rank 0 has a Group"),
 }
 
 

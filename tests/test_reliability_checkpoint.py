@@ -167,8 +167,8 @@ def _rank_damaged_items(root):
         if rank == 0:
             shutil.copytree(good, path)
             items = _items(path)
-            if case == "non_tensor_crc":  # a hyperparameter / step item: BytesStorageMetadata
-                it = next(i for i in items if ".param_to_group_meta." in i["key"])
+            if case == "non_tensor_crc":  # the format-3 table (every hyperparameter and step)
+                it = next(i for i in items if i["key"].endswith(".param_to_group_meta"))
                 _flip(path, it["file"], it["start"] + it["length"] // 2)
             else:  # the pickle of rank 3's exp_avg chunk: DCP has copied others when it fails
                 it = max(

@@ -96,6 +96,14 @@ def _mesh_ranks_outside_group(mesh: DeviceMesh, group: dist.ProcessGroup | None)
     return tuple(sorted(r for r in mesh_ranks if r not in members))
 
 
+def copy_in_layout(like: DTensor) -> DTensor:
+    """A new DTensor with ``like``'s mesh, placements, global shape, stride and dtype whose local
+    shard is a clone of ``like``'s (detached). Reuses ``like``'s DTensorSpec through DTensor's
+    own constructor: about 6x cheaper than ``DTensor.from_local``, which matters for thousands
+    of staging copies (``load_checkpoint``)."""
+    return DTensor(like._local_tensor.detach().clone(), like._spec, requires_grad=False)
+
+
 def in_layout_of(local: torch.Tensor, like: DTensor) -> DTensor:
     """``local`` as this rank's shard of a DTensor with ``like``'s mesh, placements, global shape
     and stride (``DTensor.from_local``, no copy, no check)."""

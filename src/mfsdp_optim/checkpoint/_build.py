@@ -1,26 +1,36 @@
 """``build_sharded_state_dict``: the fsdp_dtensor optimizer state dict of one rank.
 
-Layout (``fqn`` from the model's ``named_parameters()``; format 2, since 0.2.0)::
+Layout (``fqn`` from the model's ``named_parameters()``; format 3, the current layout)::
 
     {"state": {"layers.0.weight": {"exp_avg": DTensor, "exp_avg_sq": DTensor},
                ...},
-     "param_to_group_meta": {"layers.0.weight": (
-         (("betas", (0.9, 0.999)), ("eps", 1e-08), ("lr", 0.001), ...),   # hyperparameters
-         (("step", 12.0, "float32"),)),                                   # scalar state
-         ...}}
+     "param_to_group_meta": GroupMetaTable}     # ONE object for every param: one DCP item
+
+    table["layers.0.weight"] == (
+        (("betas", (0.9, 0.999)), ("eps", 1e-08), ("lr", 0.001), ...),   # hyperparameters
+        (("step", 12.0, "float32"),))                                    # scalar state
 
 ``state[fqn]`` holds the parameter-shaped state only: DTensors in the parameter's layout, sharing
-storage with the live state. ``param_to_group_meta[fqn]`` is ONE tuple ``(hyperparameters,
-scalars)``: the param group's hyperparameters (every key but ``params``) as sorted ``(name,
-plain value)`` pairs, and the param's scalar state (``step``) as sorted ``(key, value, dtype)``
-triples, ``dtype`` the name of the 0-d tensor's dtype (``"float32"``) or ``None`` for a plain
-Python value. DCP stores a tuple whole, so a param costs its state tensors plus one small item
-(format 1, 0.1.0, had a dict per FQN: one item per hyperparameter, and one ``step`` tensor
-per param). DCP flattens it to keys ``optimizer.state.layers.0.weight.exp_avg`` and
-``optimizer.param_to_group_meta.layers.0.weight`` (with the ``"optimizer"`` prefix the caller
-saves it under). Only ranks whose base optimizer holds the param emit its
-``param_to_group_meta`` entry (DCP keeps one copy; they all hold the same); every rank with a
-shard (an empty one included) emits its ``state`` tensors.
+storage with the live state; every rank with a shard (an empty one included) emits its
+``state`` tensors. ``param_to_group_meta`` is a read-only ``GroupMetaTable`` (see ``_table``):
+``table[fqn]`` is the param's ``(hyperparameters, scalars)`` leaf, the param group's
+hyperparameters (every key but ``params``) as sorted ``(name, plain value)`` pairs and the
+param's scalar state (``step``) as sorted ``(key, value, dtype)`` triples, ``dtype`` the name of
+the 0-d tensor's dtype (``"float32"``) or ``None`` for a plain Python value; ``()`` for a param
+no rank has state for. The table is not a Mapping, so DCP stores it whole: the flat keys are
+``optimizer.state.<fqn>.<key>`` (one tensor item each) and ``optimizer.param_to_group_meta``
+(ONE item for all params), with the ``"optimizer"`` prefix the caller saves it under. On disk it
+is a tagged tuple of builtins that unpickles without this package.
+
+DCP keeps one copy of a non-tensor item, so the table is IDENTICAL on every rank and covers the
+whole keyspace: every FQN that any rank's base optimizer holds. When the ranks' digests agree
+(the digest covers the table's content) every rank holds the same FQNs and builds it locally;
+otherwise it is built from the merged keyspace of the detailed exchange.
+
+Earlier layouts, which every loader still reads: format 2 (after 0.1.0) had one ``(hyperparameters,
+scalars)`` tuple per FQN as a ``param_to_group_meta`` dict (one item per param, emitted by the
+ranks holding it); format 1 (0.1.0) a dict of hyperparameters per FQN (one item each) and
+``step`` inside ``state[fqn]``.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ from .._params import ParamRecord
 from ._keyspace import Keyspace, agree, describe, digest, gather, local_keyspace, merge
 from ._layout import placeholder, wrap
 from ._materialize import materialize_optimizer_state
+from ._table import GroupMetaTable
 
 __all__ = ["KeyspaceError", "build_sharded_state_dict"]
 
@@ -65,7 +76,8 @@ def build_sharded_state_dict(
     param (an empty one included) emits the same FQNs and tensor state keys, with zeros in the
     param's layout (empty when its local shard is empty) where its own optimizer holds no state.
     A param that no rank has state for has no ``"state"`` entry anywhere and an empty scalar part
-    in its ``"param_to_group_meta"`` entry.
+    in its ``"param_to_group_meta"`` entry. ``"param_to_group_meta"`` is one ``GroupMetaTable``,
+    identical on every rank of ``group``, covering every param any rank's optimizer holds.
 
     ``is_loading=True`` first gives every param without state the state its first step would
     create, with ``step`` 0 and without moving params or hyperparameters (``init_state_fn``, when
@@ -82,14 +94,14 @@ def build_sharded_state_dict(
             materialize_optimizer_state(optimizer)
     local = describe(optimizer, records)
     keyspace = local_keyspace(local)
-    leaves = _leaves(records, keyspace)
-    if not agree(digest(local, list(leaves.values())), group):
+    table = _table(keyspace)
+    if not agree(digest(local, table.fingerprint()), group):
         keyspace, errors = merge(gather(local.description, group))
         if errors:
             raise KeyspaceError(
                 "cannot build a rank-consistent optimizer state dict:" + _format(errors)
             )
-        leaves = _leaves(records, keyspace)
+        table = _table(keyspace)
     state: dict[str, dict] = {}
     for rec in records:
         slots = keyspace.state.get(rec.fqn)
@@ -106,21 +118,25 @@ def build_sharded_state_dict(
                 entry[key] = placeholder(slot, rec.param)
         if entry:
             state[rec.fqn] = entry
-    return {"state": state, "param_to_group_meta": leaves}
+    return {"state": state, "param_to_group_meta": table}
 
 
-def _leaves(records: Sequence[ParamRecord], keyspace: Keyspace) -> dict[str, tuple]:
-    """``param_to_group_meta``: one ``(hyperparameters, scalars)`` tuple per param this rank's
-    optimizer holds (``keyspace.meta`` has exactly those)."""
-    out: dict[str, tuple] = {}
-    for rec in records:
-        hyper = keyspace.meta.get(rec.fqn)
-        if hyper is None or rec.opt_param is None:
-            continue
-        scalars = tuple(
-            (k, s.value, s.dtype if s.kind == "s" else None)
-            for k, s in keyspace.state.get(rec.fqn, ())
-            if s.kind != "t"
-        )
-        out[rec.fqn] = (tuple(sorted(hyper.items())), scalars)
-    return out
+def _table(keyspace: Keyspace) -> GroupMetaTable:
+    """``param_to_group_meta``: one ``(hyperparameters, scalars)`` leaf per FQN of
+    ``keyspace.meta`` (the params this rank's optimizer holds when the digests agree, every
+    rank's after a merge), in its order, which is the same on every rank either way."""
+    sorted_of: dict[int, tuple] = {}  # a param group's hyperparameter dict is shared: sort once
+
+    def leaves():
+        for fqn, hyper in keyspace.meta.items():
+            h = sorted_of.get(id(hyper))
+            if h is None:
+                h = sorted_of[id(hyper)] = tuple(sorted(hyper.items()))
+            scalars = tuple(
+                (k, s.value, s.dtype if s.kind == "s" else None)
+                for k, s in keyspace.state.get(fqn, ())
+                if s.kind != "t"
+            )
+            yield fqn, (h, scalars)
+
+    return GroupMetaTable.from_leaves(leaves())

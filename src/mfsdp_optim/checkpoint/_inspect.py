@@ -12,9 +12,11 @@ SHA-256 of ``.metadata`` are checked against the marker (and, with ``--verify``,
 CRC32); without it (plain ``dcp.save``), every byte range ``.metadata`` points at must lie inside
 an existing file. Nothing is unpickled beyond an allow-list (``.metadata`` through
 ``safe_read_metadata``, the small non-tensor items through ``torch.load(weights_only=True)``),
-and no tensor data is read. Understands fsdp_dtensor format 2 (one ``param_to_group_meta`` leaf
-per FQN), 0.1.0's format 1 (one item per hyperparameter) and torch's ``get_optimizer_state_dict``
-layout (``param_groups``).
+and no tensor data is read. Understands fsdp_dtensor format 3 (ONE ``param_to_group_meta`` item,
+the tagged tuple of a ``GroupMetaTable``), format 2 (one ``param_to_group_meta`` leaf per FQN),
+0.1.0's format 1 (one item per hyperparameter) and torch's ``get_optimizer_state_dict`` layout
+(``param_groups``). With ``--no-values`` a format-3 checkpoint lists only the params that have
+state tensors (the others are named only inside the table, which is then not read).
 """
 
 from __future__ import annotations
@@ -56,9 +58,10 @@ def _path_of(key: str, planner_data: Any) -> tuple:
 
 
 def _split(path: tuple) -> tuple[str, str, tuple] | None:
-    """(prefix, kind, rest) of a flattened optimizer key, or None for other keys."""
+    """(prefix, kind, rest) of a flattened optimizer key, or None for other keys; a format-3
+    table is ``param_to_group_meta`` with an empty rest."""
     for i, part in enumerate(path):
-        if part in _KINDS and i + 1 < len(path):
+        if part in _KINDS and (i + 1 < len(path) or part == "param_to_group_meta"):
             return ".".join(map(str, path[:i])), str(part), tuple(path[i + 1 :])
     return None
 
@@ -158,6 +161,9 @@ def _collect(md) -> tuple[dict[str, dict], dict[str, tuple]]:
             entry["format"] = "torch"
             entry["torch_groups"].setdefault(int(rest[0]), {})[str(rest[1])] = None
             wanted[key] = (prefix, "group", int(rest[0]), str(rest[1]))
+        elif kind == "param_to_group_meta" and not rest:
+            entry["format"] = 3
+            wanted[key] = (prefix, "table", None, None)
         elif kind == "param_to_group_meta" and len(rest) == 1:
             param(str(rest[0]))
             wanted[key] = (prefix, "leaf", str(rest[0]), None)
@@ -182,7 +188,9 @@ def _fill(found: dict, wanted: dict[str, tuple], values: dict[str, Any] | None) 
             continue
         v = values.get(key)
         entry = found[prefix]
-        if role == "group":
+        if role == "table":
+            _fill_table(entry, v, key)
+        elif role == "group":
             entry["torch_groups"][a][b] = v
         elif role == "leaf":
             entry["params"][a]["leaf"] = v
@@ -205,6 +213,21 @@ def _fill(found: dict, wanted: dict[str, tuple], values: dict[str, Any] | None) 
                     ] = hyper
         entry.pop("torch_groups")
         entry["groups"] = _groups(entry.pop("params"), values is not None)
+
+
+def _fill_table(entry: dict, value: Any, key: str) -> None:
+    """The params of a format-3 table (its tagged tuple, as read) into ``entry``; raises
+    CorruptCheckpointError when the item is not a table this package can read."""
+    from ._table import as_table
+
+    try:
+        table = as_table(value, key)
+    except ValueError as exc:
+        raise CorruptCheckpointError(str(exc)) from None
+    for fqn, (hyper, scalars) in table.items():
+        p = entry["params"].setdefault(fqn, {"state": {}, "scalars": {}, "leaf": None, "hyper": {}})
+        p["hyper"] = dict(hyper)
+        p["scalars"].update({k: v for k, v, _ in scalars})
 
 
 def _groups(params: dict[str, dict], have_values: bool) -> list[dict]:
@@ -235,7 +258,7 @@ def inspect_checkpoint(
 
     ```text
     {"directory", "status": line, "ranks": int | None, "files": int, "bytes_on_disk": int,
-     "optimizers": {prefix: {"format": 2 | 1 | "torch", "params": int, "with_state": int,
+     "optimizers": {prefix: {"format": 3 | 2 | 1 | "torch", "params": int, "with_state": int,
                              "state_bytes": int,
                              "groups": [{"hyperparameters": {name: value} | None,
                                          "params": {fqn: {"state": {key: {"dtype", "shape",
@@ -303,6 +326,7 @@ def _size(n: int) -> str:
 
 def _layout_name(fmt: Any) -> str:
     return {
+        3: "fsdp_dtensor (format 3)",
         2: "fsdp_dtensor (format 2)",
         1: "fsdp_dtensor (format 1, mfsdp_optim 0.1.0)",
         "torch": "torch (get_optimizer_state_dict)",

@@ -5,17 +5,19 @@ torch (unflattened, ``StateDictOptions(flatten_optimizer_state_dict=False)``)::
     {"state": {fqn: {"exp_avg": DTensor, "step": tensor(3.)}},
      "param_groups": [{"lr": 0.01, "betas": (0.9, 0.999), ..., "params": [fqn, fqn, ...]}]}
 
-fsdp_dtensor (format 2; see ``_build``)::
+fsdp_dtensor (format 3; see ``_build``)::
 
     {"state": {fqn: {"exp_avg": DTensor}},
-     "param_to_group_meta": {fqn: ((("betas", (0.9, 0.999)), ("lr", 0.01), ...),
-                                   (("step", 3.0, "float32"),))}}
+     "param_to_group_meta": GroupMetaTable}   # table[fqn] == ((("betas", (0.9, 0.999)),
+                                              #                 ("lr", 0.01), ...),
+                                              #                (("step", 3.0, "float32"),))
 
 Parameter-shaped state tensors are shared, never copied; scalar state (``step``) moves between a
 0-d tensor in torch's ``state[fqn]`` and a plain number in the ``param_to_group_meta`` leaf (a new
 0-d tensor of the recorded dtype on the way back, so ``dcp.load`` can fill it). The inputs are
-never mutated. ``to_torch_state_dict`` also accepts 0.1.0's format 1 (a hyperparameter dict per
-FQN, ``step`` inside ``state[fqn]``).
+never mutated. ``to_torch_state_dict`` also accepts the tagged tuple ``dcp.load`` leaves in place of
+the table, format 2 (a dict of those leaves per FQN) and 0.1.0's format 1 (a hyperparameter dict
+per FQN, ``step`` inside ``state[fqn]``).
 """
 
 from __future__ import annotations
@@ -26,15 +28,17 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ._load import as_format1
+from ._table import GroupMetaTable
 from ._values import EXCLUDED_GROUP_KEYS, dtype_name, to_plain
 
 __all__ = ["from_torch_state_dict", "to_torch_state_dict"]
 
 
 def from_torch_state_dict(osd: dict) -> dict:
-    """torch's unflattened optimizer state dict -> fsdp_dtensor layout, format 2 (DTensors and
+    """torch's unflattened optimizer state dict -> fsdp_dtensor layout, format 3 (DTensors and
     other non-0-d tensors shared in ``state``; 0-d tensors and plain values, i.e. ``step``, as
-    numbers in the ``param_to_group_meta`` leaf)."""
+    numbers in the param's leaf of the ``param_to_group_meta`` table, which covers every FQN of
+    ``param_groups``, in their order)."""
     if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
         got = sorted(osd) if isinstance(osd, dict) else type(osd).__name__
         raise ValueError(f"expected {{'state': ..., 'param_groups': [...]}}, got {got}")
@@ -72,9 +76,9 @@ def from_torch_state_dict(osd: dict) -> dict:
         )
     return {
         "state": {fqn: e for fqn, e in tensors.items() if e},
-        "param_to_group_meta": {
-            fqn: (hyper, scalars.get(fqn, ())) for fqn, hyper in hyper_of.items()
-        },
+        "param_to_group_meta": GroupMetaTable.from_leaves(
+            (fqn, (hyper, scalars.get(fqn, ()))) for fqn, hyper in hyper_of.items()
+        ),
     }
 
 
@@ -90,7 +94,7 @@ def _scalar(fqn: str, key: str, value: Any) -> tuple[str, Any, str | None]:
 
 
 def to_torch_state_dict(sd: dict) -> dict:
-    """fsdp_dtensor layout (format 2 or 1) -> torch's unflattened optimizer state dict
+    """fsdp_dtensor layout (format 3, 2 or 1) -> torch's unflattened optimizer state dict
     (parameter-shaped tensors shared, ``step`` a new 0-d tensor).
 
     Params whose hyperparameters are equal form one group, in first-seen order; groups that held

@@ -9,7 +9,9 @@ depends on:
   from the base optimizer's class: one zero-element scratch step per dtype with the class's
   ``defaults``, see ``derive_signature()``. The keys are a property of the optimizer, not of
   the shard. (A param held without state has the signature ``()``.)
-* the set of distinct *leaves* (hyperparameters + scalar state, see ``_build``) it will emit.
+* the ``param_to_group_meta`` table (hyperparameters + scalar state per FQN, see ``_build``)
+  it will emit, whole: which FQNs it covers, in which order, with which values. DCP keeps ONE
+  copy of that item, so equal digests must imply identical tables.
 
 The common case needs no exchange of keys at all: every rank hashes both into a 2 x 64-bit
 digest and ONE ``all_reduce(MAX)`` of ``[d, -d]`` (32 bytes per rank, whatever the world size)
@@ -192,13 +194,15 @@ def _signatures(optimizer, records, state, group_of) -> dict[str, Signature]:
     return out
 
 
-def digest(local: LocalState, leaves: Sequence[Any]) -> list[int]:
-    """Two 62-bit hashes: of every record's (fqn, tensor signature) in order, and of the sorted
-    set of distinct leaves this rank emits. Equal on every rank iff (up to hash collisions) the
-    ranks hold the same FQNs with the same parameter-shaped keys and emit the same leaves."""
+def digest(local: LocalState, table_fingerprint: str) -> list[int]:
+    """Two 62-bit hashes: of every record's (fqn, tensor signature) in order, and of the
+    fingerprint of the ``param_to_group_meta`` table this rank would emit (its whole content:
+    FQNs, order, values). Equal on every rank iff (up to hash collisions) the ranks hold the
+    same FQNs with the same parameter-shaped keys and would emit identical tables; a rank whose
+    optimizer holds fewer params (the empty-shard filter) therefore forces the merge."""
     out = []
     # repr, not pickle: pickle's memo makes equal values that share objects serialise apart
-    for part in (repr(tuple(local.signatures.items())), repr(sorted({repr(v) for v in leaves}))):
+    for part in (repr(tuple(local.signatures.items())), table_fingerprint):
         h = hashlib.blake2b(part.encode(), digest_size=8).digest()
         out.append(int.from_bytes(h, "little") >> 2)
     if local.description["errors"]:

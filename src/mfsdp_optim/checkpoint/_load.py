@@ -10,10 +10,13 @@ A param that has ``param_to_group_meta`` but neither ``state`` tensors nor scala
 when it was saved (never stepped): its live state is dropped, so the optimizer is exactly as the
 saved one was.
 
-Both layouts load: format 2 (``param_to_group_meta[fqn]`` one ``(hyperparameters, scalars)``
-tuple, ``state[fqn]`` tensors only) and 0.1.0's format 1 (``param_to_group_meta[fqn]`` a dict of
-hyperparameters, ``step`` inside ``state[fqn]``); ``as_format1()`` turns the first into the
-second, which the checks and the restore work on.
+Every layout loads: format 3 (``param_to_group_meta`` ONE ``GroupMetaTable`` for all params, or
+the tagged tuple ``dcp.load`` leaves in its place, see ``_table``), format 2 (a dict of one
+``(hyperparameters, scalars)`` tuple per FQN) and 0.1.0's format 1 (a dict of hyperparameters per
+FQN, ``step`` inside ``state[fqn]``); ``state[fqn]`` holds the tensors in formats 2 and 3.
+``as_format1()`` turns the first two into the third, which the checks and the restore work on.
+A format-3 table covers the whole keyspace (every rank's params), so each rank reads only the
+entries of its own records from it; an entry no rank's records name is not reported.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from .._comm import all_gather_objects, all_reduce_max
 from .._params import ParamRecord
 from ._layout import Slot, StateLayoutError, classify, local_shape
+from ._table import as_table, is_table
 from ._values import (
     EXCLUDED_GROUP_KEYS,
     PlainValueError,
@@ -36,7 +40,7 @@ from ._values import (
     to_plain,
 )
 
-__all__ = ["StateDictMismatchError", "as_format1", "load_sharded_state_dict"]
+__all__ = ["StateDictMismatchError", "as_format1", "as_format2", "load_sharded_state_dict"]
 
 _TOP_KEYS = {"state", "param_to_group_meta"}
 
@@ -56,11 +60,32 @@ def _scalar_value(fqn: str, item: Any) -> tuple[str, Any]:
     return key, value if dtype is None else torch.tensor(value, dtype=dtype_from_name(dtype))
 
 
+def as_format2(sd: dict) -> dict:
+    """``sd`` with a format-3 ``param_to_group_meta`` (a ``GroupMetaTable`` or its tagged
+    tuple) turned into format 2's dict ``{fqn: (hyperparameters, scalars)}`` of every FQN it
+    covers; any other ``sd`` is returned as it is. Tensors are shared, ``sd`` is not mutated.
+    Raises ``ValueError`` for a malformed tagged tuple."""
+    if not isinstance(sd, dict) or not is_table(sd.get("param_to_group_meta")):
+        return sd
+    return {**sd, "param_to_group_meta": dict(as_table(sd["param_to_group_meta"]).items())}
+
+
+def _own_leaves(sd: Any, records: Sequence[ParamRecord]) -> Any:
+    """A format-3 ``sd`` with ``param_to_group_meta`` as a format-2 dict of the leaves of
+    ``records`` only (the table covers every rank's params); any other ``sd`` as it is."""
+    if not isinstance(sd, dict) or not is_table(sd.get("param_to_group_meta")):
+        return sd
+    table = as_table(sd["param_to_group_meta"])
+    return {**sd, "param_to_group_meta": {r.fqn: table[r.fqn] for r in records if r.fqn in table}}
+
+
 def as_format1(sd: dict) -> dict:
-    """``sd`` with every format-2 ``param_to_group_meta`` leaf ``(hyperparameters, scalars)``
-    turned into 0.1.0's form: a hyperparameter dict, and the scalars (as 0-d tensors of their
-    dtype, or plain values) back inside ``state[fqn]``. Format-1 entries pass through; tensors
-    are shared, ``sd`` is not mutated. Raises ``ValueError`` naming the FQN of a malformed leaf."""
+    """``sd`` with every format-2 or format-3 ``param_to_group_meta`` leaf ``(hyperparameters,
+    scalars)`` turned into 0.1.0's form: a hyperparameter dict, and the scalars (as 0-d tensors
+    of their dtype, or plain values) back inside ``state[fqn]``. Format-1 entries pass through;
+    tensors are shared, ``sd`` is not mutated. Raises ``ValueError`` naming the FQN of a
+    malformed leaf (or what is wrong with a malformed format-3 tuple)."""
+    sd = as_format2(sd)
     if (
         not isinstance(sd, dict)
         or not isinstance(sd.get("param_to_group_meta"), dict)
@@ -299,8 +324,12 @@ def load_sharded_state_dict(
 ) -> None:
     """Load a fsdp_dtensor state dict (see ``build_sharded_state_dict``) into ``optimizer``.
 
-    Checks, before touching anything: the top-level keys; FQNs in ``state`` or
-    ``param_to_group_meta`` that no record names (unexpected); held params without
+    ``state_dict["param_to_group_meta"]`` may be format 3 (a ``GroupMetaTable``, or the tagged
+    tuple ``dcp.load`` put in its place; only the entries of ``records`` are read), format 2 or
+    format 1 (dicts keyed by FQN).
+
+    Checks, before touching anything: the top-level keys; FQNs in ``state`` (and in a format-2 or
+    format-1 ``param_to_group_meta``) that no record names (unexpected); held params without
     ``param_to_group_meta`` (missing); hyperparameter names against the live param group; state
     keys against the live state; DTensor global shape, mesh, placements and dtype against the param
     and the live state; scalars. Every rank of ``group`` (default WORLD) then shares its findings
@@ -309,7 +338,7 @@ def load_sharded_state_dict(
     ``StateDictMismatchError`` (a ``ValueError``) listing all of it, and no optimizer changed.
     """
     try:
-        state_dict = as_format1(state_dict)
+        state_dict = as_format1(_own_leaves(state_dict, records))
         errors = _validate(optimizer, records, state_dict)
     except Exception as exc:  # never leave the other ranks waiting in the collective
         errors = [f"validation failed: {type(exc).__name__}: {exc}"]

@@ -18,7 +18,9 @@ This module closes the first two for this package's own reads and for users who 
 * ``SafeFileSystemReader`` is a ``FileSystemReader`` whose ``read_metadata`` is the above.
 * ``SafeLoadPlanner`` is a ``DefaultLoadPlanner`` whose ``load_bytes`` uses
   ``torch.load(weights_only=True)``: plain numbers, strings, tuples, lists, dicts and tensors load;
-  arbitrary objects are refused.
+  arbitrary objects are refused. The one callable it adds to torch's allow-list is
+  ``builtins.tuple``, which the format-3 ``param_to_group_meta`` table pickles through (its
+  ``__reduce__`` is ``tuple(<tagged tuple of builtins>)``; see ``_table``).
 
 Pass both to ``dcp.load(state, storage_reader=SafeFileSystemReader(path),
 planner=SafeLoadPlanner())``; ``mfsdp_optim.checkpoint.load_checkpoint()`` does.
@@ -105,7 +107,18 @@ def safe_read_metadata(path: str | os.PathLike) -> Any:
 
 class SafeFileSystemReader(FileSystemReader):
     """``FileSystemReader`` whose ``.metadata`` is unpickled with an allow-list (tensor data is
-    read as torch does, ``weights_only=True``)."""
+    read as torch does, ``weights_only=True``).
+
+    Args:
+        path: The checkpoint directory.
+        metadata: The ``Metadata`` already read from ``path`` with ``safe_read_metadata()`` (it
+            is then not read again; ``load_checkpoint`` passes the one it verified).
+        **kwargs: Passed to ``FileSystemReader``.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, metadata: Any = None, **kwargs: Any):
+        super().__init__(path, **kwargs)
+        self._mfsdp_metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any):
         from torch.distributed.checkpoint.metadata import StorageMeta
@@ -113,7 +126,9 @@ class SafeFileSystemReader(FileSystemReader):
         rank = kwargs.get("rank")
         if rank is not None:  # per-rank metadata of a no-collectives save
             raise NotImplementedError("per-rank .metadata files are not supported here")
-        md = safe_read_metadata(self.path)
+        md = self._mfsdp_metadata
+        if md is None:
+            md = safe_read_metadata(self.path)
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
@@ -127,7 +142,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         from torch.distributed.checkpoint._traverse import set_element
 
         try:
-            obj = torch.load(value, weights_only=True)
+            with torch.serialization.safe_globals([tuple]):  # the format-3 table's __reduce__
+                obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
             detail = str(exc).strip().splitlines()
             why = next((ln for ln in detail if "GLOBAL" in ln or "global" in ln), detail[-1:])

@@ -292,10 +292,18 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_json(path: str, obj: Any) -> None:
+def _write_json(path: str, obj: Any, *, compact: bool = False) -> None:
+    """``obj`` as JSON at ``path``, durably (fsync, then an atomic rename). ``compact``: one
+    line, no spaces, encoded in one go (the per-item checksums: ``json.dump`` with an indent is
+    several times slower on thousands of items); otherwise indented for people."""
+    text = (
+        json.dumps(obj, sort_keys=True, separators=(",", ":"))
+        if compact
+        else json.dumps(obj, indent=1, sort_keys=True)
+    )
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -487,7 +495,9 @@ def save_checkpoint(
 def _publish(staging, final, reports, checksums, overwrite, world, metadata, timings) -> None:
     items = sorted((it for rep, _ in reports for it in rep), key=lambda i: (i["file"], i["start"]))
     if checksums:
-        _write_json(os.path.join(staging, CHECKSUMS_FILE), {"format": FORMAT, "items": items})
+        _write_json(
+            os.path.join(staging, CHECKSUMS_FILE), {"format": FORMAT, "items": items}, compact=True
+        )
     files = {}
     for name in sorted(os.listdir(staging)):
         path = os.path.join(staging, name)
@@ -729,12 +739,13 @@ def check_checkpoint(
 # load
 
 
-def _check_targets(path: str, flat: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """Every key of the load target present in the checkpoint, with its global shape and dtype;
-    returns the errors and the checkpoint's keys."""
+def _check_targets(path: str, flat: dict[str, Any], metadata: Any) -> tuple[list[str], list[str]]:
+    """Every key of the load target present in the checkpoint (its ``metadata``, read once by
+    the caller), with its global shape and dtype; returns the errors and the checkpoint's
+    keys."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    md = safe_read_metadata(path).state_dict_metadata
+    md = metadata.state_dict_metadata
     missing = sorted(k for k in flat if k not in md)
     errors = []
     if missing:
@@ -743,6 +754,7 @@ def _check_targets(path: str, flat: dict[str, Any]) -> tuple[list[str], list[str
             f"{path}: the checkpoint has no entries for {len(missing)} of the {len(flat)} keys "
             f"to load, e.g. {missing[:5]} (it holds top-level keys {prefixes[:10]}): a checkpoint "
             "of another model or optimizer, or saved under another prefix"
+            + _layout_hint(missing, md)
         )
     for key, value in flat.items():
         item = md.get(key)
@@ -767,6 +779,24 @@ def _check_targets(path: str, flat: dict[str, Any]) -> tuple[list[str], list[str
     return errors[:30], sorted(md)
 
 
+def _layout_hint(missing: list[str], md: Mapping) -> str:
+    """A hint when the target and the checkpoint hold ``param_to_group_meta`` in different
+    layouts (a format-3 target for a format-2 or 0.1.0 checkpoint, or the reverse)."""
+    for key in missing:
+        head, sep, _ = key.partition(".param_to_group_meta")
+        if not sep:
+            continue
+        table = f"{head}.param_to_group_meta"
+        per_fqn = key == table and any(k.startswith(table + ".") for k in md)
+        if per_fqn or (key != table and table in md):
+            return (
+                f". {table!r} is in another layout in the checkpoint (format 3 is one item, "
+                "formats 2 and 1 one or more per FQN): pass the target through "
+                "prune_to_checkpoint(target, directory) first"
+            )
+    return ""
+
+
 def _unexpected(ckpt_keys: list[str], target_keys: set[str]) -> list[str]:
     """Checkpoint keys the target (the union over ranks) lacks, under a section it loads: a
     key ``a.b.rest`` counts when the target holds any key under ``a.b`` (``optimizer.state``),
@@ -780,10 +810,10 @@ def _clone(value: Any) -> Any:
     """A staging copy of a load target: containers copied, tensors cloned, the rest shared."""
     from torch.distributed.tensor import DTensor
 
-    from .._placement import in_layout_of
+    from .._placement import copy_in_layout
 
     if isinstance(value, DTensor):
-        return in_layout_of(value._local_tensor.detach().clone(), value)
+        return copy_in_layout(value)
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, Mapping):
@@ -849,6 +879,7 @@ def load_checkpoint(
     path = _resolve(given)
     err: tuple[str, str] | None = None
     marker: dict = {}
+    metadata: Any = None
     sig: dict = {}
     ckpt_keys: list[str] = []
     try:
@@ -860,7 +891,8 @@ def load_checkpoint(
             require_marker=require_marker,
             _part=(rank, world),
         )
-        errors, ckpt_keys = _check_targets(path, flat)
+        metadata = safe_read_metadata(path)  # once: the checks here and dcp.load's reader
+        errors, ckpt_keys = _check_targets(path, flat, metadata)
         if errors:
             err = ("StateDictMismatchError", "\n  ".join(errors))
     except Exception as exc:
@@ -901,7 +933,7 @@ def load_checkpoint(
     try:
         dcp.load(
             target,
-            storage_reader=SafeFileSystemReader(path),
+            storage_reader=SafeFileSystemReader(path, metadata=metadata),
             planner=planner if planner is not None else SafeLoadPlanner(),
             process_group=process_group,
         )

@@ -1,0 +1,224 @@
+"""``param_to_group_meta`` of format 3: ONE read-only table, so ONE DCP item for every param.
+
+In memory it is a ``GroupMetaTable``: ``table[fqn]`` is the param's ``(hyperparameters,
+scalars)`` leaf, exactly as a format-2 dict gave it (see ``_build``), and it offers ``keys()``,
+``items()``, ``values()``, iteration, ``len``, ``in``, ``get`` and equality (with another table or
+a format-2 mapping of the same leaves). It is deliberately NOT a ``collections.abc.Mapping``:
+DCP's traversal stores every non-Mapping, non-list object whole, so the table is one
+``BytesStorageMetadata`` item (``optimizer.param_to_group_meta``) however many params it covers.
+
+Inside, every distinct hyperparameter tuple and every distinct scalar tuple is held once and an
+index maps each FQN to ``(hyper index, scalar index)``: 36k params of a handful of groups with
+equal steps cost a handful of distinct entries plus the index. On disk it pickles as a tagged
+tuple of builtins only::
+
+    ("mfsdp_optim.param_to_group_meta", 3, hypers, scalars, {fqn: (hyper_index, scalar_index)})
+
+so a reader without this package (``torch.distributed.checkpoint.format_utils``, a plain
+``torch.load``) can read it. After ``dcp.load`` the target holds that tuple (DCP puts the
+unpickled object in place of the table); ``as_table()`` turns it back into a table and every
+loader of this package accepts both forms.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+__all__ = ["TAG", "VERSION", "GroupMetaTable", "as_table", "is_table"]
+
+TAG = "mfsdp_optim.param_to_group_meta"
+VERSION = 3
+
+Leaf = tuple[tuple, tuple]  # (hyperparameters, scalars) of one param
+
+
+class GroupMetaTable:
+    """Every param's ``(hyperparameters, scalars)`` leaf, keyed by FQN, stored deduplicated.
+
+    Read-only: build one with ``from_leaves()`` (or ``as_table()`` of the on-disk tuple).
+    ``table[fqn]`` raises ``KeyError`` for an FQN it does not cover.
+
+    Args:
+        hypers: The distinct hyperparameter tuples (sorted ``(name, plain value)`` pairs).
+        scalars: The distinct scalar tuples (sorted ``(key, value, dtype name or None)``).
+        index: ``{fqn: (hyper index, scalar index)}`` into those, in the table's FQN order.
+    """
+
+    __slots__ = ("_fingerprint", "_hypers", "_index", "_scalars")
+
+    def __init__(self, hypers: tuple, scalars: tuple, index: Mapping[str, tuple[int, int]]):
+        self._hypers = tuple(hypers)
+        self._scalars = tuple(scalars)
+        self._index = dict(index)
+        self._fingerprint: str | None = None
+
+    @classmethod
+    def from_leaves(cls, leaves: Any) -> GroupMetaTable:
+        """The table of ``leaves``: a mapping or an iterable of ``(fqn, (hyperparameters,
+        scalars))``, in the order given. Equal leaves are stored once; values that compare
+        equal but differ in type (``1`` and ``1.0``) stay apart, so a load restores each one's
+        own type."""
+        pairs = leaves.items() if hasattr(leaves, "items") else leaves
+        hypers: list[tuple] = []
+        scalars: list[tuple] = []
+        seen_h: dict[Any, int] = {}
+        seen_s: dict[Any, int] = {}
+        keep: list[tuple] = []  # every value looked at stays alive, so no id() is reused
+        index: dict[str, tuple[int, int]] = {}
+        for fqn, (hyper, scalar) in pairs:
+            keep += (hyper, scalar)
+            index[fqn] = (_intern(hyper, hypers, seen_h), _intern(scalar, scalars, seen_s))
+        return cls(tuple(hypers), tuple(scalars), index)
+
+    # -- the per-FQN view of a format-2 dict ------------------------------------------------
+
+    def __getitem__(self, fqn: str) -> Leaf:
+        h, s = self._index[fqn]
+        return self._hypers[h], self._scalars[s]
+
+    def get(self, fqn: str, default: Any = None) -> Any:
+        """``table[fqn]``, or ``default`` for an FQN the table does not cover."""
+        return self[fqn] if fqn in self._index else default
+
+    def keys(self):
+        """The FQNs, in the table's order (a read-only view)."""
+        return self._index.keys()
+
+    def items(self) -> Iterator[tuple[str, Leaf]]:
+        """``(fqn, (hyperparameters, scalars))`` pairs, in the table's order."""
+        hypers, scalars = self._hypers, self._scalars
+        return ((fqn, (hypers[h], scalars[s])) for fqn, (h, s) in self._index.items())
+
+    def values(self) -> Iterator[Leaf]:
+        """The ``(hyperparameters, scalars)`` leaves, in the table's order."""
+        return (leaf for _, leaf in self.items())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, fqn: object) -> bool:
+        return fqn in self._index
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, GroupMetaTable):
+            if self.fingerprint() == other.fingerprint():
+                return True
+            other_items: Any = other
+        elif isinstance(other, Mapping):
+            other_items = other
+        else:
+            return NotImplemented
+        if self.keys() != other_items.keys():
+            return False
+        return all(leaf == other_items[fqn] for fqn, leaf in self.items())
+
+    __hash__ = None  # type: ignore[assignment]  # equal to mutable mappings: not hashable
+
+    def __repr__(self) -> str:
+        return (
+            f"GroupMetaTable({len(self)} params, {len(self._hypers)} hyperparameter set(s), "
+            f"{len(self._scalars)} scalar set(s), fingerprint {self.fingerprint()})"
+        )
+
+    # -- the deduplicated form ---------------------------------------------------------------
+
+    @property
+    def hypers(self) -> tuple:
+        """The distinct hyperparameter tuples."""
+        return self._hypers
+
+    @property
+    def scalars(self) -> tuple:
+        """The distinct scalar tuples."""
+        return self._scalars
+
+    def fingerprint(self) -> str:
+        """A 128-bit hex digest of the whole content (FQN order, values and their types):
+        equal on two ranks iff (up to hash collisions) their tables pickle to the same bytes."""
+        if self._fingerprint is None:
+            text = repr((self._hypers, self._scalars, tuple(self._index.items())))
+            self._fingerprint = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+        return self._fingerprint
+
+    def as_tuple(self) -> tuple:
+        """The on-disk form: ``(TAG, VERSION, hypers, scalars, {fqn: (h, s)})``, builtins only."""
+        return (TAG, VERSION, self._hypers, self._scalars, dict(self._index))
+
+    def __reduce__(self):
+        return (tuple, (self.as_tuple(),))
+
+
+def _intern(value: tuple, table: list[tuple], seen: dict[Any, int]) -> int:
+    """The index of ``value`` in ``table``, appending it the first time. Keyed by identity
+    first (the leaves of one param group share their tuple), then by ``repr``, not ``==``:
+    ``1 == 1.0 == True`` must not merge."""
+    i = seen.get(id(value))
+    if i is None:
+        key = repr(value)
+        i = seen.get(key)
+        if i is None:
+            i = seen[key] = len(table)
+            table.append(value)
+        seen[id(value)] = i
+    return i
+
+
+def is_table(meta: Any) -> bool:
+    """True for a format-3 ``param_to_group_meta``: a table or its on-disk tagged tuple."""
+    return isinstance(meta, GroupMetaTable) or (
+        isinstance(meta, tuple) and len(meta) >= 2 and meta[0] == TAG
+    )
+
+
+def as_table(meta: Any, where: str = "param_to_group_meta") -> GroupMetaTable:
+    """``meta`` (a ``GroupMetaTable`` or its on-disk tuple, as ``dcp.load`` leaves it) as a
+    table. Raises ``ValueError`` naming ``where`` and what is wrong with a malformed tuple."""
+    if isinstance(meta, GroupMetaTable):
+        return meta
+    if not is_table(meta):
+        raise ValueError(
+            f"{where}: expected a GroupMetaTable or its on-disk tuple ({TAG!r}, {VERSION}, "
+            f"hypers, scalars, index), got a {type(meta).__name__}"
+        )
+    if meta[1] != VERSION or len(meta) != 5:
+        raise ValueError(
+            f"{where}: a {TAG!r} table of version {meta[1]!r} with {len(meta)} fields; this "
+            f"mfsdp_optim reads version {VERSION} (5 fields): upgrade mfsdp_optim to load it"
+        )
+    _, _, hypers, scalars, index = meta
+    _check_parts(where, hypers, scalars, index)
+    return GroupMetaTable(hypers, scalars, index)
+
+
+def _check_parts(where: str, hypers: Any, scalars: Any, index: Any) -> None:
+    if not isinstance(hypers, tuple) or not all(
+        isinstance(h, tuple) and all(isinstance(kv, tuple) and len(kv) == 2 for kv in h)
+        for h in hypers
+    ):
+        raise ValueError(f"{where}: hyperparameters must be tuples of (name, value) pairs")
+    if not isinstance(scalars, tuple) or not all(
+        isinstance(s, tuple) and all(isinstance(t, tuple) and len(t) == 3 for t in s)
+        for s in scalars
+    ):
+        raise ValueError(f"{where}: scalars must be tuples of (key, value, dtype) triples")
+    if not isinstance(index, dict):
+        raise ValueError(f"{where}: the index must be a dict {{fqn: (hyper, scalar)}}")
+    nh, ns = len(hypers), len(scalars)
+    for fqn, pos in index.items():
+        if not (
+            isinstance(fqn, str)
+            and isinstance(pos, tuple)
+            and len(pos) == 2
+            and all(type(i) is int for i in pos)
+            and 0 <= pos[0] < nh
+            and 0 <= pos[1] < ns
+        ):
+            raise ValueError(
+                f"{where}: index entry {fqn!r} -> {pos!r} is not (hyper index < {nh}, "
+                f"scalar index < {ns})"
+            )
