@@ -7,13 +7,13 @@ pure-torch multi-tensor path.
 
 Design (one launch per bucket, no host synchronisation):
 
-* The host gathers each tensor's ``data_ptr`` and ``numel`` (two C calls per tensor, plus one
-  ``is_contiguous``) and builds, with numpy, one int64 table: each tensor's element offset from
-  the first tensor, its ``numel``, and the cumulative count of ``BLOCK``-element *items* (a tensor
-  of ``numel`` elements is ``ceil(numel / BLOCK)`` items). The table goes to the device through a
-  pinned buffer and a non-blocking copy; a small LRU (keyed on device, stream, tensor count and
-  first address, verified by comparing the whole table) reuses the device copy when the same grads
-  come back (FSDP2's caching allocator keeps grad addresses stable across steps).
+* The host builds one int64 table (``StatsTable``): each tensor's element offset from the
+  first tensor, its ``numel``, and the cumulative count of ``BLOCK``-element *items* (a tensor
+  of ``numel`` elements is ``ceil(numel / BLOCK)`` items). The table is persistent
+  (``_arg_table``): kept on the device per (device, stream, numels of the bucket), and at each
+  call only the tensors' addresses are checked; when they moved (FSDP2 re-allocated the grads)
+  only the offsets are re-uploaded, through a pinned buffer and a non-blocking copy. The table
+  holds no tensor: its numels are the cache key and its offsets are re-checked at every call.
 * One persistent Triton kernel runs ``G = SMs x programs-per-SM`` programs. Program ``i`` takes a
   contiguous run of items, finds its first tensor with a binary search over the cumulative item
   counts, then walks forward. Each item is one ``BLOCK``-wide load: unmasked (and 16-byte

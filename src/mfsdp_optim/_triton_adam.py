@@ -17,17 +17,30 @@ test_triton_adam.py``). Step counters are incremented by the kernel itself (the 
 finish adds 1 to every counter; every program computes with ``step + 1``), so there is no
 separate ``_foreach_add_`` launch.
 
-Layout: one int64 table per launch, built on the host from the tensors' addresses at every step
-(as torch's fused kernels read them at every call, so nothing goes stale when a storage is
-replaced) and uploaded through a pinned buffer without a sync: element offsets of params,
-exp_avg, exp_avg_sq and grads from the first tensor of each list, numels, cumulative
-``BLOCK``-item counts, step-counter offsets, and the hyperparameters as float64 bit patterns
-(Triton would pass Python floats as float32: ``1 - beta2`` would be off by 1e-5 relative).
-Program ``i`` of a persistent grid takes a contiguous run of items, finds its first tensor by
-binary search, then walks forward, as the stats kernel does.
+Layout: one int64 table per launch (``AdamTable``): element offsets of params, exp_avg,
+exp_avg_sq and grads from the first tensor of each list, numels, cumulative ``BLOCK``-item
+counts, step-counter offsets, and the hyperparameters as float64 bit patterns (Triton would pass
+Python floats as float32: ``1 - beta2`` would be off by 1e-5 relative). Program ``i`` of a
+persistent grid takes a contiguous run of items, finds its first tensor by binary search, then
+walks forward, as the stats kernel does. The fast step hands its per-group cache as the table's
+holder: the table is built once for those lists and kept on the device; at each step only the
+grads' addresses are checked (``_arg_table.same_addresses``) and only what changed (the grad
+offsets, the hyperparameters) is uploaded again, through a pinned buffer and without a sync.
+Why nothing can go stale unseen: the module docstring of ``_arg_table``.
 
-Not taken (torch's own fused kernel runs): groups of small tensors (fewer than 2**20 elements
-per tensor on average: there the host work per tensor costs more than the kernel saves),
+Which groups it takes (the rule): with a holder, every size. What is left on the host per step
+is one address check of the grads, their contiguity check and a handful of numpy operations,
+about 0.1-0.2 us per tensor, less than torch's fused kernel spends per tensor on the host (the
+bare fused AdamW step over 3000 x 512x256 took 11-21 ms against a 2.8-2.95 ms floor on the
+device machine, ``benchmarks/RESULTS.md``: 3 us or more per tensor, and the separate
+``_foreach_add_`` of the counters on top),
+so the kernel's gains (no grad store with a clip, counters advanced inside it) come on top.
+Without a holder (the fast step's lists filtered this step because some params have no grad, or
+a direct call), the table is built for the call from every tensor's address (about 1 us per
+tensor on the device machine's host): there groups of fewer than ``_MIN_MEAN_NUMEL`` = 2**20
+elements per tensor on average are left to torch's kernel.
+
+Not taken (torch's own fused kernel runs): groups of small tensors without a holder (above),
 amsgrad, a tensor lr, non-contiguous or misaligned tensors, a dtype other than float32/
 bfloat16/float16, params/state/grads of different dtypes, CPU tensors, CUDA graph capture,
 ``torch.compile`` tracing, Triton missing.
@@ -51,9 +64,10 @@ __all__ = ["AdamTable", "TritonAdam"]
 _BLOCK = 2048
 _NUM_WARPS = 8
 _PROGRAMS_PER_SM = 16
-# Below this mean number of elements per tensor the host work of the pointer table (about 1 us
-# per tensor on the device machine's host) outweighs the grad store the kernel saves (about
-# 1 ns per 1000 fp32 elements at 4 TB/s): torch's kernel runs instead.
+# Without a kept table (no holder), below this mean number of elements per tensor the host work
+# of building the table (about 1 us per tensor on the device machine's host) outweighs the grad
+# store the kernel saves (about 1 ns per 1000 fp32 elements at 4 TB/s): torch's kernel runs.
+# A kept table has no limit (module docstring).
 _MIN_MEAN_NUMEL = 1 << 20
 _REDUCE_BLOCK = 1024
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -356,6 +370,11 @@ class AdamTable:
 _DECLINED: Any = object()
 
 
+def _stream_of(device: torch.device) -> int:
+    """The current stream's handle (0 on CPU: tests of the table logic)."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
 def _static_contiguous(*lists: list[torch.Tensor]) -> bool:
     contiguous = torch.Tensor.is_contiguous
     return all(all(map(contiguous, xs)) for xs in lists)
@@ -450,7 +469,7 @@ class TritonAdam:
             return None
         if not _grads_ok(grads, params[0].dtype, grad_dtype):
             return None
-        stream = torch.cuda.current_stream(params[0].device).cuda_stream
+        stream = _stream_of(params[0].device)
         tab = AdamTable.build(params, exp_avgs, exp_avg_sqs, steps, group, stream)
         self.builds += 1
         if tab is None or (tab.n and not tab.refresh_grads(grads)):
@@ -462,7 +481,7 @@ class TritonAdam:
     ) -> AdamTable | None:
         """The holder's table: rebuilt when it does not fit the lists, refreshed for this
         step's grads and hyperparameters. No size limit (the rule in the module docstring)."""
-        stream = torch.cuda.current_stream(params[0].device).cuda_stream
+        stream = _stream_of(params[0].device)
         tab = holder.triton_table
         if tab is _DECLINED:  # these lists cannot be taken, for as long as they live
             return None
