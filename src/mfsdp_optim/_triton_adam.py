@@ -342,7 +342,11 @@ class AdamTable:
         """Point the table at ``grads``: their offsets are re-uploaded only if an address
         moved; False when the kernel cannot address them (the table is then left as it was)."""
         table = self.table
-        if table is not None and same_addresses(grads, self.gptrs, self.keep):
+        if (
+            table is not None
+            and len(grads) == len(self.gptrs)
+            and same_addresses(grads, self.gptrs, self.keep)
+        ):
             return True
         r = _offsets([grads[i] for i in self.keep])
         if r is None:
