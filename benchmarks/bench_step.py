@@ -7,7 +7,10 @@ shape sets: 3000 x (512 x 256) and 300 x (4096 x 1024). For each it times
   (b) stock:   the same torch optimizer stepping the DTensor params (what FSDP2 users get),
   (c) wrap:    FullyShardedOptimizer.step() on the DTensor params: grad_stats (one collective),
                clip (--clip, default 1.0: clipping acts), the base step and the return values,
-  (d) wrap+triton: the same with OptimizerConfig(triton_adam_step=True) (fused mode, CUDA only),
+  (d) wrap+triton: the same with OptimizerConfig(triton_adam_step=True) (fused mode, CUDA only;
+               its launch table is kept between steps, the note counts launches and builds),
+  (e) grad_stats (``--grad-stats``): ``mfsdp_optim.stats.grad_stats`` alone on the same kind of
+               grads, against its own floor (every grad read once: 4 bytes per element),
 
 and the floor: 28 bytes/param (AdamW reads p, g, m, v and writes p, m, v in fp32) over the
 measured device copy bandwidth. All contenders are built first and timed in rounds, one call of
@@ -20,6 +23,7 @@ GPU timings use CUDA events; CPU timings use perf_counter.
     python benchmarks/bench_step.py --clip 0 --profile    # clipping off; host profile
     python benchmarks/bench_step.py --count-scale 0.1     # fewer params per set
     python benchmarks/bench_step.py --optimizer apex_fused_adam  # apex FusedAdam as the base
+    python benchmarks/bench_step.py --sets 3000x512x256 --modes fused --grad-stats --check-cost
 
 ``--optimizer apex_fused_adam`` (apex importable, CUDA) times apex's FusedAdam (adam_w_mode) in
 place of AdamW: one mode, ``apex``, and no ``stock`` cell (its kernels take plain tensors only).
@@ -180,6 +184,27 @@ def _profile(fn, label: str) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(14)
 
 
+def _check_cost(tensors) -> None:
+    """ns per tensor of ``_arg_table.same_addresses`` (the per-step check of the persistent
+    tables: the C++ loop where torch has it) and of the Python comparison."""
+    from mfsdp_optim import _arg_table
+
+    ptrs = _arg_table.addresses(tensors)
+    idx = list(range(len(tensors)))
+    n = 200
+
+    def per_tensor(fn) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n / len(tensors) * 1e9
+
+    bulk = per_tensor(lambda: _arg_table.same_addresses(tensors, ptrs, idx))
+    py = per_tensor(lambda: _arg_table.addresses(tensors) == ptrs)
+    cpp = "C++" if _arg_table._bulk_check is not None else "Python (no C++ helper)"
+    print(f"address check: same_addresses ({cpp}) {bulk:.1f} ns/tensor, Python {py:.1f} ns/tensor")
+
+
 def _import_other(spec: str):
     """The package named by ``--compare``."""
     import importlib
@@ -212,6 +237,16 @@ def main() -> None:
         help="also time bare+clip (base step + clip_grad_norm_) with --sets",
     )
     ap.add_argument("--modes", default="fused,foreach")
+    ap.add_argument(
+        "--grad-stats",
+        action="store_true",
+        help="also time mfsdp_optim.stats.grad_stats alone on the same kind of grads",
+    )
+    ap.add_argument(
+        "--check-cost",
+        action="store_true",
+        help="also time the persistent tables' per-step address check per tensor",
+    )
     ap.add_argument("--clip", type=float, default=1.0, help="OptimizerConfig.clip_grad (0: off)")
     ap.add_argument(
         "--profile",
@@ -297,6 +332,13 @@ def main() -> None:
                     base_opt(params, kw), OptimizerConfig(clip_grad=args.clip, **extra)
                 )
                 contenders[name] = wrappers[name].step
+            stats_grads = None
+            if args.grad_stats:
+                from mfsdp_optim.stats import grad_stats
+
+                _, sp = _make_shapes(shapes, device, mesh, 4)
+                stats_grads = [q.grad for q in sp]
+                contenders["grad_stats"] = lambda gs=stats_grads: grad_stats(gs)
             if other is not None:
                 _, params = _make_shapes(shapes, device, mesh, 2)
                 name = f"wrap[{other.__name__}]"
@@ -315,10 +357,21 @@ def main() -> None:
             cells = " ".join(
                 f"{k} {t[k]:.2f} ms ({t[k] / a:.2f}x bare, {t[k] / floor_ms:.2f}x floor)"
                 for k in contenders
+                if k != "grad_stats"
             )
+            if "grad_stats" in t:  # its own floor: every grad read once, 4 bytes per element
+                stats_floor = 4 * numel / bw * 1e3
+                cells += (
+                    f" grad_stats {t['grad_stats']:.3f} ms ({t['grad_stats'] / stats_floor:.2f}x"
+                    f" its floor {stats_floor:.3f} ms)"
+                )
             notes = ", ".join(
                 f"{k}: {w.fast_steps} fast steps, {w.clip_folds} clip folds"
-                + (f", {w._triton.launches} triton launches" if getattr(w, "_triton", None) else "")
+                + (
+                    f", {w._triton.launches} triton launches, {w._triton.builds} table builds"
+                    if getattr(w, "_triton", None)
+                    else ""
+                )
                 for k, w in wrappers.items()
             )
             print(f"{label} {mode}: floor {floor_ms:.2f} ms | {cells} | {notes}")
@@ -331,9 +384,11 @@ def main() -> None:
                     )
                 )
             _check_finite(label, mode, locals_ + (clip_locals or []) + (dparams or []), wrappers)
+            if args.check_cost:
+                _check_cost(locals_)
             if args.profile:
                 _profile(wrappers["wrap"].step, f"{label} {mode}")
-            del contenders, wrappers, stock, dparams, locals_, clip_locals
+            del contenders, wrappers, stock, dparams, locals_, clip_locals, stats_grads
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     dist.destroy_process_group()

@@ -251,3 +251,24 @@ def test_stats_layer_uses_fused_bucket_path():
     a = reference(ts[:10], **_kw(2.0, 2, True))
     b = reference(ts[10:], **_kw(2.0, 1, False))
     torch.testing.assert_close(got[:3], (a + b)[:3], rtol=1e-9, atol=0)
+
+
+@cuda
+def test_persistent_table_follows_moved_tensors():
+    """The kept table is re-pointed when the tensors move (only the offsets re-uploaded) and
+    reused when they do not; results stay right either way."""
+    ts = [torch.randn(500 + (i % 7), device="cuda") for i in range(3000)]
+    _check(ts, 2.0)
+    numels = tuple(t.numel() for t in ts)
+    stream = torch.cuda.current_stream().cuda_stream
+    tab = _fused._table_cache[(ts[0].device.index, stream, numels)]
+    uploads = tab.table.uploads
+    _check(ts, 2.0)
+    assert tab.table.uploads == uploads
+    old = ts
+    ts = [t * 2 for t in ts]  # new tensors at new addresses (old ones still alive)
+    _check(ts, 2.0)
+    _check(ts, math.inf)
+    assert _fused._table_cache[(ts[0].device.index, stream, numels)] is tab
+    assert tab.table.uploads == uploads + 2  # the offsets, then the norm type
+    del old

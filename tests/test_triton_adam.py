@@ -337,3 +337,112 @@ def test_declines_small_tensors_by_default(monkeypatch):
         steps,
         None,
     )
+
+
+# ------------------------------------------------------------------ persistent tables (issue 16)
+
+
+class _Holder:
+    triton_table = None
+
+
+def _torch_adamw_(p, g, m, v, s, divisor):
+    torch._foreach_add_(s, 1)
+    torch._fused_adamw_(
+        p,
+        _clone(g),
+        m,
+        v,
+        [],
+        s,
+        amsgrad=False,
+        lr=1e-2,
+        beta1=0.9,
+        beta2=0.999,
+        weight_decay=0.1,
+        eps=1e-8,
+        maximize=False,
+        grad_scale=divisor,
+        found_inf=None,
+    )
+
+
+@cuda
+@pytest.mark.parametrize("realloc", [False, True], ids=["same-grads", "new-grads"])
+def test_kept_table_3000_small_tensors(monkeypatch, realloc):
+    """3000 small tensors through a kept table at the default size rule, against torch's
+    kernel, with the grads re-allocated between steps or not."""
+    from mfsdp_optim import _triton_adam
+
+    monkeypatch.undo()  # the default threshold: a kept table takes small tensors anyway
+    tri, holder = _triton_adam.TritonAdam(), _Holder()
+    group = _group(True, False, 0.1)
+    p, g, m, v, s = _lists(torch.float32, 5, [(512, 2)] * 2990 + [(0,)] * 10)
+    rp, rm, rv, rs = _clone(p), _clone(m), _clone(v), _clone(s)
+    keep_alive = []
+    for step in range(4):
+        divisor = torch.tensor(1.5 + step, device="cuda")
+        assert tri.step(group, p, g, m, v, s, divisor, holder=holder)
+        _torch_adamw_(rp, g, rm, rv, rs, divisor)
+        if realloc:
+            keep_alive.append(g)  # the old grads stay allocated: the new ones move
+            g = [x * 0.5 for x in g]
+    assert tri.launches == 4 and tri.builds == 1
+    assert holder.triton_table.table.uploads == (4 if realloc else 1)
+    for a, b in ((p, rp), (m, rm), (v, rv)):
+        torch.testing.assert_close(
+            torch.cat([x.flatten() for x in a]),
+            torch.cat([x.flatten() for x in b]),
+            rtol=5e-5,
+            atol=1e-5,
+        )
+    assert all(torch.equal(a, b) for a, b in zip(s, rs))
+
+
+def _wrapper_reload_run(n_params: int):
+    """6 clipped AdamW steps of many small params through the wrapper with the Triton step at
+    its default size rule, new grads at every step, ``load_state_dict`` after step 3, against
+    torch's clip + fused step; returns (launches, builds, fast steps)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
+
+    mesh = init_device_mesh("cuda", (1,))
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(64, 8)] * n_params
+    init = [torch.randn(s, generator=gen).cuda() for s in shapes]
+    params = [
+        torch.nn.Parameter(DTensor.from_local(t.clone(), mesh, [Shard(0)], run_check=False))
+        for t in init
+    ]
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    kw = dict(lr=1e-2, weight_decay=0.1, fused=True)
+    opt = FullyShardedOptimizer(
+        torch.optim.AdamW(params, **kw), OptimizerConfig(clip_grad=0.5, triton_adam_step=True)
+    )
+    ref_opt = torch.optim.AdamW(ref, **kw)
+    for step in range(6):
+        if step == 3:
+            opt.load_state_dict(opt.state_dict())  # new state tensors: a new table
+        g_gen = torch.Generator().manual_seed(10 + step)
+        grads = [torch.randn(s, generator=g_gen).cuda() for s in shapes]
+        for p, q, g in zip(params, ref, grads):
+            p.grad = DTensor.from_local(g.clone(), mesh, [Shard(0)], run_check=False)
+            q.grad = g.clone()
+        ok, norm, _ = opt.step()
+        ref_norm = float(torch.nn.utils.clip_grad_norm_(ref, 0.5))
+        ref_opt.step()
+        assert ok and abs(norm - ref_norm) <= 1e-5 * ref_norm
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for p, q in zip(params, ref):
+        torch.testing.assert_close(p._local_tensor, q.detach(), rtol=1e-5, atol=1e-6)
+    return opt._triton.launches, opt._triton.builds, opt.fast_steps
+
+
+@cuda
+def test_wrapper_kept_tables_survive_regrads_and_reload(ranks):
+    ((launches, builds, fast_steps),) = ranks(1).run(_wrapper_reload_run, 3000, timeout=300)
+    assert fast_steps == 5  # step 1 creates the state on the generic path
+    assert launches == 5 and builds == 2  # one table before the reload, one after

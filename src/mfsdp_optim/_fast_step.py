@@ -68,6 +68,7 @@ class _GroupCache:
         "has_complex",
         "device",
         "grads",
+        "triton_table",
     )
 
     def __init__(self, group: dict[str, Any]):
@@ -87,6 +88,9 @@ class _GroupCache:
         # fused kernel can be called directly; None: go through the functional API
         self.device: torch.device | None = None
         self.grads: list[torch.Tensor] = []  # filled by the wrapper's prepare loop
+        # the opt-in Triton step's launch table of these lists (_triton_adam.AdamTable): it
+        # lives and dies with this cache, so every path that replaces the cache drops it
+        self.triton_table: Any = None
 
 
 class FastAdamStep:
@@ -236,9 +240,11 @@ class FastAdamStep:
         grad_scale: torch.Tensor | None = None,
         triton: Any = None,
         found_inf: torch.Tensor | None = None,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         """``Adam.step()`` on the cached lists and the collected grads; ``grad_devices``: the
         devices of all the work grads (the direct fused call needs them on the group's);
+        ``grad_dtype``: the one dtype of all the work grads, when they have one;
         ``grad_scale``: what ``Adam.step()`` would read from ``optimizer.grad_scale`` (fused
         groups only; the wrapper's folded clip); ``triton``: the opt-in
         ``TritonAdam`` for direct fused groups, or None;
@@ -249,7 +255,7 @@ class FastAdamStep:
         with torch.no_grad():
             for gc in self._groups:
                 direct = gc.device is not None and all(d == gc.device for d in grad_devices)
-                self._step_group(gc, direct, grad_scale, triton, found_inf)
+                self._step_group(gc, direct, grad_scale, triton, found_inf, grad_dtype)
 
     @staticmethod
     def _step_group(
@@ -258,8 +264,10 @@ class FastAdamStep:
         grad_scale: torch.Tensor | None,
         triton: Any = None,
         found_inf: torch.Tensor | None = None,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         group = gc.group
+        holder: _GroupCache | None = gc  # the Triton table may live on the cache: its lists
         grads = gc.grads
         params, exp_avgs, exp_avg_sqs = gc.params, gc.exp_avgs, gc.exp_avg_sqs
         max_exp_avg_sqs, steps = gc.max_exp_avg_sqs, gc.steps
@@ -272,6 +280,7 @@ class FastAdamStep:
             if gc.amsgrad:
                 max_exp_avg_sqs = [max_exp_avg_sqs[j] for j in keep]
             steps = [steps[j] for j in keep]
+            holder = None  # lists of this step only
         if not grads:
             return
         beta1, beta2 = group["betas"]
@@ -288,7 +297,17 @@ class FastAdamStep:
             if (
                 found_inf is None
                 and triton is not None
-                and triton.step(group, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale)
+                and triton.step(
+                    group,
+                    params,
+                    grads,
+                    exp_avgs,
+                    exp_avg_sqs,
+                    steps,
+                    grad_scale,
+                    holder,
+                    grad_dtype,
+                )
             ):
                 return
             if grad_scale is not None:

@@ -7,13 +7,13 @@ pure-torch multi-tensor path.
 
 Design (one launch per bucket, no host synchronisation):
 
-* The host gathers each tensor's ``data_ptr`` and ``numel`` (two C calls per tensor, plus one
-  ``is_contiguous``) and builds, with numpy, one int64 table: each tensor's element offset from
-  the first tensor, its ``numel``, and the cumulative count of ``BLOCK``-element *items* (a tensor
-  of ``numel`` elements is ``ceil(numel / BLOCK)`` items). The table goes to the device through a
-  pinned buffer and a non-blocking copy; a small LRU (keyed on device, stream, tensor count and
-  first address, verified by comparing the whole table) reuses the device copy when the same grads
-  come back (FSDP2's caching allocator keeps grad addresses stable across steps).
+* The host builds one int64 table (``StatsTable``): each tensor's element offset from the
+  first tensor, its ``numel``, and the cumulative count of ``BLOCK``-element *items* (a tensor
+  of ``numel`` elements is ``ceil(numel / BLOCK)`` items). The table is persistent
+  (``_arg_table``): kept on the device per (device, stream, numels of the bucket), and at each
+  call only the tensors' addresses are checked; when they moved (FSDP2 re-allocated the grads)
+  only the offsets are re-uploaded, through a pinned buffer and a non-blocking copy. The table
+  holds no tensor: its numels are the cache key and its offsets are re-checked at every call.
 * One persistent Triton kernel runs ``G = SMs x programs-per-SM`` programs. Program ``i`` takes a
   contiguous run of items, finds its first tensor with a binary search over the cumulative item
   counts, then walks forward. Each item is one ``BLOCK``-wide load: unmasked (and 16-byte
@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from ._arg_table import DeviceTable, addresses, same_addresses
+
 __all__ = ["shard_contribution", "fused_available"]
 
 # Elements per item (one masked or unmasked load per program iteration) and warps per program.
@@ -62,7 +64,7 @@ TABLE_CACHE_ENABLED = True
 _TABLE_CACHE_SIZE = 16
 
 _state: dict[str, Any] = {"triton": None, "kernel": None, "failed": False}
-_table_cache: OrderedDict[tuple, tuple[Any, torch.Tensor]] = OrderedDict()
+_table_cache: OrderedDict[tuple, StatsTable] = OrderedDict()
 _workspaces: dict[tuple[int, int], dict[str, Any]] = {}
 _programs_per_sm: dict[tuple, int] = {}
 
@@ -119,6 +121,7 @@ def _device_helpers() -> dict[str, Any]:
             return lo
 
         helpers = _state["helpers"] = {"first_tensor": first_tensor}
+        globals().update(tl=tl)  # its globals are this module's (Triton's interpreter reads them)
     return helpers
 
 
@@ -302,6 +305,7 @@ def _build_kernel() -> Any:
         _power=_power,
         _accumulate=_accumulate,
         _flush=_flush,
+        first_tensor=first_tensor,
     )
     return _stats_kernel
 
@@ -368,13 +372,6 @@ def _learn_occupancy(kernel_key: tuple, compiled: Any, device: torch.device) -> 
         _programs_per_sm[kernel_key] = _DEFAULT_PROGRAMS_PER_SM
 
 
-def _upload(table: Any, device: torch.device) -> torch.Tensor:
-    """An int64 host table on the device, through a pinned staging copy, without a sync."""
-    host = torch.empty(table.shape[0], dtype=torch.int64, pin_memory=True)
-    host.numpy()[:] = table
-    return host.to(device, non_blocking=True)
-
-
 def _element_offsets(ptrs: Any, esize: int) -> tuple[Any, bool] | None:
     """Offsets in elements of the addresses ``ptrs`` (numpy int64) from the first one, and
     whether every address is 16-byte aligned; None if an offset is not a whole number of
@@ -385,23 +382,99 @@ def _element_offsets(ptrs: Any, esize: int) -> tuple[Any, bool] | None:
     return delta // esize, not (ptrs & 15).any()
 
 
-def _device_table(table: Any, device: torch.device, stream: int, key: tuple) -> torch.Tensor:
-    """The table on the device: a pinned staging copy and a non-blocking upload, or the device
-    copy of an identical table from an earlier call (same tensors at the same addresses)."""
+def _norm_bits(norm_type: float) -> Any:
+    """The table's norm-type slot: ``p`` as a float64 bit pattern (0 for inf)."""
     import numpy as np
 
+    p = float(norm_type)
+    return np.array([p if math.isfinite(p) else 0.0]).view(np.int64)
+
+
+class StatsTable:
+    """The persistent table of one bucket layout (the tensors' numels, in order), kept on the
+    device: ``[offsets (n) | numels (n) | cum items (n + 1) | p]`` over the ``n`` non-empty
+    tensors, offsets in elements from the first of them.
+
+    It keeps no tensor: at every call ``refresh`` checks the tensors' addresses against the
+    ones the offsets were computed from (``_arg_table.same_addresses``) and the caller has
+    matched their numels (the cache key), so everything the kernel reads is re-verified
+    against tensors the caller holds; only the offsets (tensors that moved) or the norm type
+    are re-uploaded.
+    """
+
+    __slots__ = ("keep", "first", "n", "ptrs", "aligned", "total_items", "host", "table")
+    keep: list[int]
+    first: int
+    n: int
+    ptrs: list[int]
+    aligned: bool
+    total_items: int
+    host: Any
+    table: DeviceTable | None
+
+    @classmethod
+    def build(cls, numels: Sequence[int], norm_type: float) -> StatsTable | None:
+        """The layout part (numels, cum items, p); None when every tensor is empty. The
+        offsets come with the first ``refresh``."""
+        import numpy as np
+
+        sizes = np.fromiter(numels, dtype=np.int64, count=len(numels))
+        keep = np.flatnonzero(sizes)
+        if keep.size == 0:
+            return None
+        self = cls()
+        n = self.n = int(keep.size)
+        self.keep, self.first = keep.tolist(), int(keep[0])
+        self.ptrs, self.aligned, self.table = [], True, None
+        host = self.host = np.zeros(3 * n + 2, dtype=np.int64)
+        host[n : 2 * n] = sizes[keep]
+        np.cumsum((sizes[keep] + (_BLOCK - 1)) // _BLOCK, out=host[2 * n + 1 : 3 * n + 1])
+        host[3 * n + 1] = _norm_bits(norm_type)[0]
+        self.total_items = int(host[3 * n])
+        return self
+
+    def refresh(self, tensors: Sequence[torch.Tensor], norm_type: float) -> bool:
+        """Point the table at ``tensors`` (same numels as built); False when the kernel cannot
+        address them (an offset that is not a whole element)."""
+        import numpy as np
+
+        n = self.n
+        if self.table is None or not same_addresses(tensors, self.ptrs, self.keep):
+            ptrs = addresses(tensors)
+            kept = np.fromiter((ptrs[i] for i in self.keep), dtype=np.int64, count=n)
+            located = _element_offsets(kept, tensors[self.first].element_size())
+            if located is None:
+                return False
+            self.ptrs, self.aligned = ptrs, located[1]
+            if self.table is None:
+                self.host[:n] = located[0]
+                self.table = DeviceTable(self.host, tensors[self.first].device)
+            else:
+                self.table.patch(0, located[0])
+        self.table.patch(3 * n + 1, _norm_bits(norm_type))
+        return True
+
+
+def _stats_table(
+    tensors: Sequence[torch.Tensor], norm_type: float, device: torch.device, stream: int
+) -> StatsTable | None:
+    """The persistent table for these tensors (cached per device, stream and numels), pointed
+    at them; None when the fused kernel cannot take them."""
+    numels = tuple(map(torch.Tensor.numel, tensors))
+    key = (device.index, stream, numels)
+    tab = _table_cache.get(key) if TABLE_CACHE_ENABLED else None
+    if tab is None:
+        tab = StatsTable.build(numels, norm_type)
+        if tab is None:
+            return None
+    if not tab.refresh(tensors, norm_type):
+        return None
     if TABLE_CACHE_ENABLED:
-        hit = _table_cache.get(key)
-        if hit is not None and np.array_equal(hit[0], table):
-            _table_cache.move_to_end(key)
-            return hit[1]
-    dev_table = _upload(table, device)
-    if TABLE_CACHE_ENABLED:
-        _table_cache[key] = (table, dev_table)
+        _table_cache[key] = tab
         _table_cache.move_to_end(key)
         while len(_table_cache) > _TABLE_CACHE_SIZE:
             _table_cache.popitem(last=False)
-    return dev_table
+    return tab
 
 
 class _Plan:
@@ -435,40 +508,20 @@ def _plan(
 ) -> _Plan | None:
     """Build a launch plan for contiguous tensors of one device and dtype; None if the fused
     kernel cannot take them (then the caller uses the reference path)."""
-    import numpy as np
-
-    T = torch.Tensor
-    ptrs = np.array(list(map(T.data_ptr, tensors)), dtype=np.int64)
-    numels = np.array(list(map(T.numel, tensors)), dtype=np.int64)
     first = tensors[0]
-    if not numels.all():
-        keep = np.flatnonzero(numels)
-        if keep.size == 0:
-            return None
-        ptrs, numels = ptrs[keep], numels[keep]
-        first = tensors[int(keep[0])]
-    n = int(ptrs.shape[0])
-    esize = first.element_size()
-    located = _element_offsets(ptrs, esize)
-    if located is None:
-        return None
-    offsets, aligned = located
-    align = 16 // esize if aligned else 1
-
-    items = (numels + (_BLOCK - 1)) // _BLOCK
-    table = np.empty(3 * n + 2, dtype=np.int64)
-    table[:n] = offsets
-    table[n : 2 * n] = numels
-    table[2 * n] = 0
-    np.cumsum(items, out=table[2 * n + 1 : 3 * n + 1])
-    p = float(norm_type)
-    table[3 * n + 1] = np.array([p if math.isfinite(p) else 0.0]).view(np.int64)[0]
-    total_items = int(table[3 * n])
-
     device = first.device
+    stream = torch.cuda.current_stream(device).cuda_stream
+    tab = _stats_table(tensors, norm_type, device, stream)
+    if tab is None:
+        return None
+    first = tensors[tab.first]
+    esize = first.element_size()
+    align = 16 // esize if tab.aligned else 1
+    total_items = tab.total_items
+    n = tab.n
     plan = _Plan()
     plan.device = device
-    plan.p_kind = _p_kind(p)
+    plan.p_kind = _p_kind(float(norm_type))
     plan.zeros = bool(count_zeros and canonical)
     plan.align = align
     plan.kernel_key = (
@@ -488,8 +541,8 @@ def _plan(
     plan.n = n
     plan.total_items = total_items
     plan.replication = int(replication)
-    stream = torch.cuda.current_stream(device).cuda_stream
-    plan.table = _device_table(table, device, stream, (device.index, stream, n, int(ptrs[0])))
+    assert tab.table is not None
+    plan.table = tab.table.tensor
     plan.ws = _workspace(device, stream, n, plan.num_progs)
     return plan
 

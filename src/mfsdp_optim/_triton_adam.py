@@ -17,17 +17,30 @@ test_triton_adam.py``). Step counters are incremented by the kernel itself (the 
 finish adds 1 to every counter; every program computes with ``step + 1``), so there is no
 separate ``_foreach_add_`` launch.
 
-Layout: one int64 table per launch, built on the host from the tensors' addresses at every step
-(as torch's fused kernels read them at every call, so nothing goes stale when a storage is
-replaced) and uploaded through a pinned buffer without a sync: element offsets of params,
-exp_avg, exp_avg_sq and grads from the first tensor of each list, numels, cumulative
-``BLOCK``-item counts, step-counter offsets, and the hyperparameters as float64 bit patterns
-(Triton would pass Python floats as float32: ``1 - beta2`` would be off by 1e-5 relative).
-Program ``i`` of a persistent grid takes a contiguous run of items, finds its first tensor by
-binary search, then walks forward, as the stats kernel does.
+Layout: one int64 table per launch (``AdamTable``): element offsets of params, exp_avg,
+exp_avg_sq and grads from the first tensor of each list, numels, cumulative ``BLOCK``-item
+counts, step-counter offsets, and the hyperparameters as float64 bit patterns (Triton would pass
+Python floats as float32: ``1 - beta2`` would be off by 1e-5 relative). Program ``i`` of a
+persistent grid takes a contiguous run of items, finds its first tensor by binary search, then
+walks forward, as the stats kernel does. The fast step hands its per-group cache as the table's
+holder: the table is built once for those lists and kept on the device; at each step only the
+grads' addresses are checked (``_arg_table.same_addresses``) and only what changed (the grad
+offsets, the hyperparameters) is uploaded again, through a pinned buffer and without a sync.
+Why nothing can go stale unseen: the module docstring of ``_arg_table``.
 
-Not taken (torch's own fused kernel runs): groups of small tensors (fewer than 2**20 elements
-per tensor on average: there the host work per tensor costs more than the kernel saves),
+Which groups it takes (the rule): with a holder, every size. What is left on the host per step
+is one address check of the grads, their contiguity check and a handful of numpy operations,
+about 0.1-0.2 us per tensor, less than torch's fused kernel spends per tensor on the host (the
+bare fused AdamW step over 3000 x 512x256 took 11-21 ms against a 2.8-2.95 ms floor on the
+device machine, ``benchmarks/RESULTS.md``: 3 us or more per tensor, and the separate
+``_foreach_add_`` of the counters on top),
+so the kernel's gains (no grad store with a clip, counters advanced inside it) come on top.
+Without a holder (the fast step's lists filtered this step because some params have no grad, or
+a direct call), the table is built for the call from every tensor's address (about 1 us per
+tensor on the device machine's host): there groups of fewer than ``_MIN_MEAN_NUMEL`` = 2**20
+elements per tensor on average are left to torch's kernel.
+
+Not taken (torch's own fused kernel runs): groups of small tensors without a holder (above),
 amsgrad, a tensor lr, non-contiguous or misaligned tensors, a dtype other than float32/
 bfloat16/float16, params/state/grads of different dtypes, CPU tensors, CUDA graph capture,
 ``torch.compile`` tracing, Triton missing.
@@ -35,22 +48,26 @@ bfloat16/float16, params/state/grads of different dtypes, CPU tensors, CUDA grap
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from operator import is_ as _is
 from typing import Any
 
 import torch
 
-from ._fused import _device_helpers, _element_offsets, _sm_count_of, _upload
+from ._arg_table import DeviceTable, addresses, check_all_lists, same_addresses
+from ._fused import _device_helpers, _element_offsets, _sm_count_of
 
-__all__ = ["TritonAdam"]
+__all__ = ["AdamTable", "TritonAdam"]
 
 # from benchmarks/bench_triton_adam.py --sweep on an H200 (benchmarks/RESULTS.md): 2048 x 8 warps
 # was within noise of the best on both shape sets and steady across programs per SM
 _BLOCK = 2048
 _NUM_WARPS = 8
 _PROGRAMS_PER_SM = 16
-# Below this mean number of elements per tensor the host work of the pointer table (about 1 us
-# per tensor on the device machine's host) outweighs the grad store the kernel saves (about
-# 1 ns per 1000 fp32 elements at 4 TB/s): torch's kernel runs instead.
+# Without a kept table (no holder), below this mean number of elements per tensor the host work
+# of building the table (about 1 us per tensor on the device machine's host) outweighs the grad
+# store the kernel saves (about 1 ns per 1000 fp32 elements at 4 TB/s): torch's kernel runs.
+# A kept table has no limit (module docstring).
 _MIN_MEAN_NUMEL = 1 << 20
 _REDUCE_BLOCK = 1024
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -200,7 +217,7 @@ def _build() -> Any:
                 tl.store(s_base + so, cur + 1.0, mask=mk)
             tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
 
-    globals().update(tl=tl, libdevice=libdevice)
+    globals().update(tl=tl, libdevice=libdevice, first_tensor=first_tensor)
     return _adam_kernel
 
 
@@ -213,14 +230,179 @@ def _offsets(tensors: list[torch.Tensor]) -> tuple[Any, bool] | None:
     return _element_offsets(ptrs, tensors[0].element_size())
 
 
+def _hparams(group: dict) -> Any:
+    """The group's hyperparameters as float64 bit patterns (int64)."""
+    import numpy as np
+
+    beta1, beta2 = group["betas"]
+    values = [group["lr"], beta1, beta2, group["eps"], group["weight_decay"]]
+    return np.array(values, dtype=np.float64).view(np.int64)
+
+
+class AdamTable:
+    """The launch table of one group's lists, and what decides whether it still fits them.
+
+    Layout (int64): ``[p | m | v | step index | numel | cum (n + 1) | grad offs (n) | step offs
+    | hparams (5)]`` over the ``n`` non-empty params (``keep``); offsets in elements from each
+    list's first kept tensor (the step offsets from ``steps[0]``). ``build`` returns None when
+    the kernel cannot address the static lists (an offset that is not a whole element).
+
+    It holds the static lists and the storages of their tensors (the argument of the module
+    docstring of ``_arg_table``); of the grads it keeps only their addresses. The device copy
+    is made by the first ``refresh_grads`` (the grad offsets complete it).
+    """
+
+    __slots__ = (
+        "lists", "storages", "keep", "n", "n_steps", "gptrs", "static_ptrs", "static_aligned",
+        "grads_aligned", "total_items", "stream", "host", "table", "goff_at", "hp_at",
+    )  # fmt: skip
+
+    lists: tuple[list[torch.Tensor], ...]
+    storages: list[Any]
+    keep: list[int]
+    n: int
+    n_steps: int
+    gptrs: list[int]
+    static_ptrs: list[list[int]]
+    static_aligned: bool
+    grads_aligned: bool
+    total_items: int
+    stream: int
+    host: Any
+    table: DeviceTable | None
+    goff_at: int
+    hp_at: int
+
+    def __init__(self) -> None:
+        self.gptrs = []
+        self.grads_aligned = True
+        self.static_aligned = True
+        self.host = None
+        self.table = None
+        self.total_items = 0
+        self.goff_at = self.hp_at = 0
+
+    @classmethod
+    def build(
+        cls,
+        params: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        steps: list[torch.Tensor],
+        group: dict,
+        stream: int,
+    ) -> AdamTable | None:
+        """The table of these lists, grad offsets still zero (CPU tensors work too: for tests
+        of the table logic)."""
+        import numpy as np
+
+        numels = np.fromiter(map(torch.Tensor.numel, params), dtype=np.int64, count=len(params))
+        keep = np.flatnonzero(numels).tolist()
+        self = cls()
+        self.lists = (params, exp_avgs, exp_avg_sqs, steps)
+        self.storages = [t.untyped_storage() for xs in self.lists for t in xs]
+        self.keep = keep
+        self.n, self.n_steps, self.stream = len(keep), len(steps), stream
+        self.static_ptrs = [addresses(xs) for xs in self.lists]
+        if not keep:  # only empty shards: no launch, no table
+            return self
+        parts, aligned = [], True
+        for xs in (params, exp_avgs, exp_avg_sqs):
+            r = _offsets([xs[i] for i in keep])
+            if r is None:
+                return None
+            parts.append(r[0])
+            aligned &= r[1]
+        s_offs = _offsets(steps)
+        if s_offs is None:
+            return None
+        n = self.n
+        cum = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum((numels[keep] + (_BLOCK - 1)) // _BLOCK, out=cum[1:])
+        kept = np.asarray(keep, dtype=np.int64)
+        goffs = np.zeros(n, dtype=np.int64)  # filled by refresh_grads
+        self.host = np.concatenate(
+            [*parts, kept, numels[keep], cum, goffs, s_offs[0], _hparams(group)]
+        )
+        self.static_aligned = aligned
+        self.total_items = int(cum[-1])
+        self.goff_at, self.hp_at = 6 * n + 1, 7 * n + 1 + len(steps)
+        return self
+
+    def fits(self, params: list, exp_avgs: list, exp_avg_sqs: list, steps: list) -> bool:
+        """The same list objects (with ``MFSDP_OPTIM_CHECK_ALL_ADDRESSES``: at the same
+        addresses too)."""
+        if not all(map(_is, self.lists, (params, exp_avgs, exp_avg_sqs, steps))):
+            return False
+        if check_all_lists():
+            return all(same_addresses(xs, ptrs) for xs, ptrs in zip(self.lists, self.static_ptrs))
+        return True
+
+    def refresh_grads(self, grads: list[torch.Tensor]) -> bool:
+        """Point the table at ``grads``: their offsets are re-uploaded only if an address
+        moved; False when the kernel cannot address them (the table is then left as it was)."""
+        table = self.table
+        if (
+            table is not None
+            and len(grads) == len(self.gptrs)
+            and same_addresses(grads, self.gptrs, self.keep)
+        ):
+            return True
+        r = _offsets([grads[i] for i in self.keep])
+        if r is None:
+            return False
+        self.gptrs = addresses(grads)
+        self.grads_aligned = r[1]
+        if table is None:
+            self.host[self.goff_at : self.goff_at + self.n] = r[0]
+            self.table = DeviceTable(self.host, self.lists[0][0].device)
+        else:
+            table.patch(self.goff_at, r[0])
+        return True
+
+    def refresh_hparams(self, group: dict) -> None:
+        """Re-upload the hyperparameters if one changed (an lr schedule: every step)."""
+        assert self.table is not None
+        self.table.patch(self.hp_at, _hparams(group))
+
+    def align(self, esize: int) -> int:
+        """The ``ALIGN`` constant: 16 bytes in elements when every tensor is 16-byte aligned."""
+        return 16 // esize if self.static_aligned and self.grads_aligned else 1
+
+
+# a holder's table slot when its static lists cannot be taken (so the build is not retried)
+_DECLINED: Any = object()
+
+
+def _stream_of(device: torch.device) -> int:
+    """The current stream's handle (0 on CPU: tests of the table logic)."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def _static_contiguous(*lists: list[torch.Tensor]) -> bool:
+    contiguous = torch.Tensor.is_contiguous
+    return all(all(map(contiguous, xs)) for xs in lists)
+
+
+def _grads_ok(grads: list[torch.Tensor], dtype: torch.dtype, vouched: torch.dtype | None) -> bool:
+    """Per-step conditions on the grads (they may be new tensors at every step): contiguous and
+    of the params' dtype (``vouched``: the caller's word for the dtype of all of them)."""
+    if not all(map(torch.Tensor.is_contiguous, grads)):
+        return False
+    if vouched is not None:
+        return vouched == dtype
+    return {g.dtype for g in grads} <= {dtype}
+
+
 class TritonAdam:
-    """The opt-in kernel. Tables are rebuilt from the tensors' addresses at every step (as
-    torch's fused kernels read them at every call), so nothing goes stale when a tensor's
-    storage is replaced behind the optimizer's back."""
+    """The opt-in kernel. A call with a ``holder`` (the fast step's per-group cache) keeps its
+    table there, checks the grads' addresses at each step and re-uploads only what moved
+    (``AdamTable``, ``_arg_table``); a call without one builds a table for that call."""
 
     def __init__(self) -> None:
         self._tickets: dict[int, torch.Tensor] = {}
         self.launches = 0  # for tests and diagnostics
+        self.builds = 0  # tables built (for tests)
 
     @staticmethod
     def available() -> bool:
@@ -247,9 +429,15 @@ class TritonAdam:
         exp_avg_sqs: list[torch.Tensor],
         steps: list[torch.Tensor],
         divisor: torch.Tensor | None,
+        holder: Any = None,
+        grad_dtype: torch.dtype | None = None,
     ) -> bool:
         """``_fused_adam(w)_`` for one group with the grads divided by ``divisor`` inside the
-        update; False (nothing done) when the kernel does not apply."""
+        update; False (nothing done) when the kernel does not apply.
+
+        ``holder``: an object with a ``triton_table`` attribute that lives exactly as long as
+        these very lists (the fast step's ``_GroupCache``); the table is kept there.
+        ``grad_dtype``: the caller's word that every grad has this dtype (else checked)."""
         kernel = _load()  # None without Triton or numpy
         if (
             kernel is None
@@ -258,70 +446,80 @@ class TritonAdam:
             or torch.compiler.is_compiling()
         ):
             return False
-        import numpy as np
-
-        # the size test first: it is the one that declines many-small-tensor groups, every step,
-        # so it must cost little (one numel per param, not four checks per tensor)
-        numels = np.fromiter(map(torch.Tensor.numel, params), dtype=np.int64, count=len(params))
-        if int(numels.sum()) < _MIN_MEAN_NUMEL * len(params):
+        if holder is None:
+            tab = self._one_off(group, params, grads, exp_avgs, exp_avg_sqs, steps, grad_dtype)
+        else:
+            tab = self._kept(holder, group, params, grads, exp_avgs, exp_avg_sqs, steps, grad_dtype)
+        if tab is None:
             return False
-        # the caller (the fast step) guarantees one CUDA device for everything, one dtype for
-        # params and state, float32 scalar step counters there; checked here: what it does not
-        p0 = params[0]
-        device, dtype = p0.device, p0.dtype
-        contiguous = torch.Tensor.is_contiguous
-        if not (
-            all(map(contiguous, params))
-            and all(map(contiguous, grads))
-            and all(map(contiguous, exp_avgs))
-            and all(map(contiguous, exp_avg_sqs))
-        ):
-            return False
-        if {g.dtype for g in grads} != {dtype}:
-            return False
-        keep = np.flatnonzero(numels)
-        if keep.size == 0:  # only empty shards: nothing to update but the counters
+        if tab.n == 0:  # only empty shards: nothing to update but the counters
             torch._foreach_add_(steps, 1)
             return True
-        if keep.size != len(params):
-            idx = keep.tolist()
-            params, grads = [params[i] for i in idx], [grads[i] for i in idx]
-            exp_avgs, exp_avg_sqs = [exp_avgs[i] for i in idx], [exp_avg_sqs[i] for i in idx]
-        parts = []
-        aligned = True
-        for xs in (params, exp_avgs, exp_avg_sqs, grads):
-            r = _offsets(xs)
-            if r is None:
-                return False
-            parts.append(r[0])
-            aligned &= r[1]
-        s_offs = _offsets(steps)
-        if s_offs is None:
-            return False
-        n = int(keep.size)
-        cum = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum((numels[keep] + (_BLOCK - 1)) // _BLOCK, out=cum[1:])
-        beta1, beta2 = group["betas"]
-        hp = np.array(
-            [group["lr"], beta1, beta2, group["eps"], group["weight_decay"]], dtype=np.float64
-        ).view(np.int64)
-        # [p | m | v | step index | numel | cum (n + 1) | grad offs (n) | step offs | hparams]
-        table = np.concatenate(
-            [
-                parts[0],
-                parts[1],
-                parts[2],
-                keep.astype(np.int64),
-                numels[keep],
-                cum,
-                parts[3],
-                s_offs[0],
-                hp,
-            ]
-        )
-        dev_table = _upload(table, device)
-        total_items = int(cum[-1])
-        per_prog = -(-total_items // min(total_items, _sm_count_of(device) * _PROGRAMS_PER_SM))
+        self._launch(kernel, tab, grads, group, divisor)
+        return True
+
+    def _one_off(
+        self, group, params, grads, exp_avgs, exp_avg_sqs, steps, grad_dtype
+    ) -> AdamTable | None:
+        """A table for this call only (no holder): below ``_MIN_MEAN_NUMEL`` elements per
+        tensor its host cost outweighs the kernel's gain, so torch's kernel runs."""
+        import numpy as np
+
+        # the size test first: it declines many-small-tensor groups every step, cheaply
+        numels = np.fromiter(map(torch.Tensor.numel, params), dtype=np.int64, count=len(params))
+        if int(numels.sum()) < _MIN_MEAN_NUMEL * len(params):
+            return None
+        if not _static_contiguous(params, exp_avgs, exp_avg_sqs):
+            return None
+        if not _grads_ok(grads, params[0].dtype, grad_dtype):
+            return None
+        stream = _stream_of(params[0].device)
+        tab = AdamTable.build(params, exp_avgs, exp_avg_sqs, steps, group, stream)
+        self.builds += 1
+        if tab is None or (tab.n and not tab.refresh_grads(grads)):
+            return None
+        return tab
+
+    def _kept(
+        self, holder, group, params, grads, exp_avgs, exp_avg_sqs, steps, grad_dtype
+    ) -> AdamTable | None:
+        """The holder's table: rebuilt when it does not fit the lists, refreshed for this
+        step's grads and hyperparameters. No size limit (the rule in the module docstring)."""
+        stream = _stream_of(params[0].device)
+        tab = holder.triton_table
+        if tab is _DECLINED:  # these lists cannot be taken, for as long as they live
+            return None
+        if (
+            tab is None
+            or tab.stream != stream
+            or not tab.fits(params, exp_avgs, exp_avg_sqs, steps)
+        ):
+            tab = None
+            if _static_contiguous(params, exp_avgs, exp_avg_sqs):
+                tab = AdamTable.build(params, exp_avgs, exp_avg_sqs, steps, group, stream)
+                self.builds += 1
+            holder.triton_table = tab if tab is not None else _DECLINED
+            if tab is None:
+                return None
+        if not _grads_ok(grads, params[0].dtype, grad_dtype):
+            return None
+        if tab.n:
+            if not tab.refresh_grads(grads):
+                return None
+            tab.refresh_hparams(group)
+        return tab
+
+    def _launch(self, kernel: Any, tab: AdamTable, grads: list, group: dict, divisor: Any) -> None:
+        params, exp_avgs, exp_avg_sqs, steps = tab.lists
+        assert tab.table is not None
+        first = tab.keep[0]
+        p0 = params[first]
+        device = p0.device
+        dev_table = tab.table.tensor
+        n = tab.n
+        total_items = tab.total_items
+        sms = _sm_count_of(device) if device.type == "cuda" else 1  # CPU: Triton's interpreter
+        per_prog = -(-total_items // min(total_items, sms * _PROGRAMS_PER_SM))
         num_progs = -(-total_items // per_prog)
         ticket = self._tickets.get(device.index)  # type: ignore[arg-type]
         if ticket is None:
@@ -330,22 +528,22 @@ class TritonAdam:
             )
         if divisor is not None:
             divisor = divisor.to(device=device, dtype=torch.float32, non_blocking=True)
-        goffs = dev_table[6 * n + 1 : 7 * n + 1]
-        soffs = dev_table[7 * n + 1 : 7 * n + 1 + len(steps)]
-        hparams = dev_table[7 * n + 1 + len(steps) :]
-        with torch.cuda.device(device):
+        goffs = dev_table[tab.goff_at : tab.goff_at + n]
+        soffs = dev_table[tab.goff_at + n : tab.hp_at]
+        hparams = dev_table[tab.hp_at :]
+        with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
             kernel[(num_progs,)](
-                params[0],
-                grads[0],
-                exp_avgs[0],
-                exp_avg_sqs[0],
+                p0,
+                grads[first],
+                exp_avgs[first],
+                exp_avg_sqs[first],
                 steps[0],
                 dev_table,
                 goffs,
                 soffs,
                 hparams,
                 n,
-                len(steps),
+                tab.n_steps,
                 total_items,
                 per_prog,
                 num_progs,
@@ -355,9 +553,8 @@ class TritonAdam:
                 ADAMW=bool(group["decoupled_weight_decay"]),
                 MAXIMIZE=bool(group["maximize"]),
                 BLOCK=_BLOCK,
-                ALIGN=16 // p0.element_size() if aligned else 1,
+                ALIGN=tab.align(p0.element_size()),
                 REDUCE_BLOCK=_REDUCE_BLOCK,
                 num_warps=_NUM_WARPS,
             )
         self.launches += 1
-        return True

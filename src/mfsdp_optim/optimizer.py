@@ -315,8 +315,11 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         opt, table = self.optimizer, self._table
         try:
             if self._fast_token is not None and self._fast.ready(opt, table):
-                devices = {k[0] for k in self._preparer.work_locals}
-                self._fast.step(opt, devices, grad_divisor, self._triton, found_inf)
+                keys = self._preparer.work_locals
+                devices = {k[0] for k in keys}
+                dtypes = {k[1] for k in keys}  # the work grads' dtypes (bucket keys carry them)
+                one = next(iter(dtypes)) if len(dtypes) == 1 else None
+                self._fast.step(opt, devices, grad_divisor, self._triton, found_inf, one)
                 self.fast_steps += 1
             else:
                 assert found_inf is None, "a device-side skip needs the fast step"
