@@ -25,8 +25,9 @@ LR, MOMENTUM, STEPS = 0.05, 0.9, 3
 class MasterSGD(torch.optim.Optimizer):
     """Momentum SGD on fp32 master copies, laid out as apex's FusedAdam lays out its masters."""
 
-    def __init__(self, params, lr: float, momentum: float):
+    def __init__(self, params, lr: float, momentum: float, tensor_step: bool = False):
         super().__init__(params, {"lr": lr, "momentum": momentum})
+        self.tensor_step = tensor_step  # apex capturable: the group step is a shape-[1] tensor
         self.capturable = False  # an attribute outside defaults/state/groups, as apex has
         self.param_groups_master = [
             {"params": [p.detach().clone().float() for p in g["params"]]} for g in self.param_groups
@@ -38,7 +39,11 @@ class MasterSGD(torch.optim.Optimizer):
 
         assert not self.capturable
         for group, masters in zip(self.param_groups, self.param_groups_master, strict=True):
-            group["step"] = group.get("step", 0) + 1
+            if self.tensor_step:
+                step = group.setdefault("step", torch.zeros(1, dtype=torch.int32))
+                step += 1  # in place, as apex does: a 0-d step here would fail to broadcast
+            else:
+                group["step"] = group.get("step", 0) + 1
             for p, m in zip(group["params"], masters["params"], strict=True):
                 if isinstance(m, DTensor) or isinstance(p, DTensor) or m.shape != p.shape:
                     raise TypeError("a raw-pointer kernel would pair this param with garbage")
@@ -161,3 +166,49 @@ def _rank_drifted():
 def test_drifted_master_lists_are_refused_before_the_step(ranks):
     for msg in ranks(2).run(_rank_drifted):
         assert msg is not None and "param_groups_master" in msg and "add_param_group" in msg, msg
+
+
+def _rank_checkpoint(ckpt_dir: str):
+    import torch.distributed.checkpoint as dcp
+    from test_optimizer import _batch
+
+    from mfsdp_optim import FullyShardedOptimizer
+
+    def build():
+        _, model = _models()
+        base = MasterSGD(model.parameters(), lr=LR, momentum=MOMENTUM, tensor_step=True)
+        return model, base, FullyShardedOptimizer(base, model_chunks=[model])
+
+    def train(model, opt, step):
+        model(_batch(step)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    model, base, opt = build()
+    for step in range(2):
+        train(model, opt, step)
+    dcp.save({"optimizer": opt.sharded_state_dict()}, checkpoint_id=ckpt_dir)
+    _, model_b = _models()
+    with torch.no_grad():  # the trained params, before the masters are copied from them
+        for p, q in zip(model_b.parameters(), model.parameters(), strict=True):
+            p.copy_(q)
+    base_b = MasterSGD(model_b.parameters(), lr=LR, momentum=MOMENTUM, tensor_step=True)
+    opt_b = FullyShardedOptimizer(base_b, model_chunks=[model_b])
+    sd = opt_b.sharded_state_dict(is_loading=True)
+    dcp.load({"optimizer": sd}, checkpoint_id=ckpt_dir)
+    opt_b.load_state_dict(sd)
+    step_b = base_b.param_groups[0]["step"]
+    shape, value = tuple(step_b.shape), int(step_b)  # read now: the next step adds in place
+    train(model, opt, 2)
+    train(model_b, opt_b, 2)
+    same = all(
+        torch.equal(p._local_tensor, q._local_tensor)
+        for p, q in zip(model.parameters(), model_b.parameters(), strict=True)
+    )
+    return shape, value, same
+
+
+def test_checkpoint_round_trip_keeps_a_shape_one_group_step(ranks, tmp_path):
+    for shape, step, same in ranks(2).run(_rank_checkpoint, str(tmp_path / "ckpt")):
+        assert shape == (1,) and step == 2, (shape, step)
+        assert same, "the resumed step differs from the continued one"

@@ -53,9 +53,11 @@ def to_plain(value: Any, where: str) -> Any:
 
 def restore_like(live: Any, saved: Any) -> Any:
     """``saved`` in the form of ``live``: a tensor hyperparameter stays a (new) tensor of the live
-    dtype and device, a list stays a list, a tuple of tensors a tuple of tensors."""
+    dtype, device and shape (apex's capturable FusedAdam keeps its group ``step`` and ``lr`` as
+    shape ``[1]``, torch's as 0-d), a list stays a list, a tuple of tensors a tuple of tensors."""
     if isinstance(live, torch.Tensor) and not isinstance(saved, torch.Tensor):
-        return torch.tensor(saved, dtype=live.dtype, device=live.device)
+        out = torch.tensor(saved, dtype=live.dtype, device=live.device)
+        return out.reshape(live.shape) if live.numel() == 1 else out
     if (
         isinstance(live, (tuple, list))
         and isinstance(saved, (tuple, list))
