@@ -1,0 +1,216 @@
+"""The CPU contribution of local shards without a float64 copy of every grad.
+
+On CPU, ``torch._foreach_norm(..., dtype=torch.float64)`` first copies each tensor to float64,
+which costs more than the norm itself. Here a bucket of float32, bfloat16 or float16 tensors on
+one CPU device contributes the same three slots as ``_stats_math.shard_contribution()`` this way:
+
+* ``p = inf``: ``max|x|`` per tensor from ``torch.aminmax`` in the grads' own dtype. A maximum is
+  exact in any dtype, so the result is bitwise what float64 gives.
+* finite ``p`` other than 1 (``p = 1`` keeps the reference path, see ``applies``): every tensor
+  is cut into *pieces* of at most ``piece_size()`` elements (a tensor that small is one piece;
+  a larger one is a ``(k, piece)`` view reduced along its rows, plus its ragged tail). Each
+  piece's ``||piece||_p`` comes from a float32 reduction (no copy for float32 grads), and the
+  pieces' ``||piece||_p ** p`` are summed in float64. A float32 partial sum therefore never
+  runs over more than ``PIECE / 8`` (float32, ``p = 2``: SIMD lanes) or ``SHORT_PIECE`` terms,
+  however large the tensor: its relative error is at most about that many units of float32
+  rounding (2**-24) in the worst case, about its square root in practice; the float64 sum
+  over the pieces adds nothing visible.
+* A piece whose float32 result lost range is *flagged*: its result is NaN or inf (a NaN or inf
+  grad, or ``|x| ** p`` overflowing float32), below the smallest normal float32, or its
+  ``|x| ** p`` sum is below ``SUM_TINY`` (terms that float32 holds as subnormals or flushes to
+  zero would matter). Every tensor with a flagged piece is recomputed whole in float64, as the
+  reference path does, and its float64 value replaces its pieces; so NaN and inf grads give the
+  reference path's NaN/inf and non-finite count, and grads of 1e30 do not overflow.
+* Zeros: ``torch.count_nonzero`` per tensor (int64, exact).
+
+The recomputation is local math before the collective, so every rank still issues the same
+collective. Which tensors to recompute is only known from their values: with ``host_reads`` the
+CPU tensor of flags is read (``bool()``, no device involved) and only flagged tensors are
+recomputed; without it (the wrapper's ``host_sync=False``, which promises no host reads) the
+float64 value of every tensor is computed and the flagged ones are selected on the tensors. Both
+give bitwise the same contribution.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["PIECE", "SHORT_PIECE", "SUM_TINY", "applies", "cpu_contribution", "piece_size"]
+
+# float32 p = 2 reduces in SIMD lanes (AVX2: 8, AVX-512: 16), each lane a sequential sum of at
+# most PIECE / 8 terms; every other float32 reduction (other p, bfloat16/float16 converted on
+# the fly) is one sequential sum per piece, so its pieces are shorter
+PIECE = 1 << 14
+SHORT_PIECE = 1 << 10
+# float32 keeps every term >= 2**-126 to full precision and rounds smaller ones by at most
+# 2**-150; over PIECE terms that is below SUM_TINY * 2**-36 when the piece's sum is >= SUM_TINY.
+SUM_TINY = 2.0**-100
+_F32_TINY = torch.finfo(torch.float32).tiny
+_F32_MAX = torch.finfo(torch.float32).max
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ACC = torch.float64
+
+
+def applies(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the CPU path computes this bucket: CPU tensors of float32, bfloat16 or float16
+    (the bucket shares one device and dtype), outside ``torch.compile`` tracing."""
+    first = tensors[0]
+    return (
+        first.device.type == "cpu" and first.dtype in _DTYPES and not torch.compiler.is_compiling()
+    )
+
+
+def cpu_contribution(
+    tensors: Sequence[torch.Tensor],
+    *,
+    norm_type: float,
+    replication: int,
+    canonical: bool,
+    count_zeros: bool,
+    host_reads: bool,
+) -> torch.Tensor:
+    """``[norm_slot, zeros, nonfinite]`` (float64, CPU) of one CPU bucket.
+
+    Args:
+        tensors: Local shards of one CPU device and dtype (see ``applies``); empty ones add
+            nothing.
+        norm_type: The norm's `p` (> 0 or inf, already checked).
+        replication: How many ranks hold each of these shards.
+        canonical: Whether this rank counts their zeros.
+        count_zeros: Whether to count zeros at all.
+        host_reads: Whether the flags may be read on the host to recompute only the flagged
+            tensors (the result is bitwise the same either way).
+
+    Returns:
+        The contribution, as ``_stats_math.shard_contribution()`` defines it.
+    """
+    nonempty = [t for t in tensors if t.numel() > 0]
+    if not nonempty:
+        return torch.zeros(3, dtype=_ACC)
+    if math.isinf(norm_type):
+        norm_slot, nonfinite = _inf_slots(nonempty)
+    else:
+        norm_slot, nonfinite = _finite_slots(nonempty, norm_type, host_reads)
+        norm_slot = norm_slot / replication
+    counted = count_zeros and canonical
+    zeros = zero_count(nonempty) if counted else torch.zeros((), dtype=_ACC)
+    return torch.stack([norm_slot, zeros, nonfinite])
+
+
+def zero_count(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Zero elements of ``tensors`` (NaN and inf are not zeros), exact, as a 0-d float64."""
+    numel = sum(t.numel() for t in tensors)
+    nonzeros = torch.stack([torch.count_nonzero(t) for t in tensors]).sum()
+    return (numel - nonzeros).to(_ACC)
+
+
+def _inf_slots(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Largest ``max|x|`` (NaN wins) and how many tensors hold a NaN or an inf."""
+    lows, highs = zip(*(torch.aminmax(t) for t in tensors))
+    peaks = torch.maximum(torch.stack(highs), torch.stack(lows).neg()).to(_ACC)
+    return peaks.max(), (~torch.isfinite(peaks)).sum(dtype=_ACC)
+
+
+def piece_size(p: float, dtype: torch.dtype) -> int:
+    """Elements per float32 partial: ``PIECE`` for float32 grads and ``p = 2`` (the vectorised
+    reduction), ``SHORT_PIECE`` otherwise."""
+    return PIECE if p == 2.0 and dtype == torch.float32 else SHORT_PIECE
+
+
+def split_pieces(
+    tensors: Sequence[torch.Tensor], piece: int
+) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[tuple[int, int]]]:
+    """Cut ``tensors`` into pieces of at most ``piece`` elements (views; a non-contiguous
+    tensor longer than ``piece`` is copied by ``reshape``).
+
+    Returns:
+        ``(whole, whole_owner, rows, rows_owner)``: tensors and tails reduced whole, with the
+            index of the tensor each belongs to; ``(k, piece)`` views reduced along their rows,
+            with ``(owner, k)`` each. The pieces' results are ordered as ``whole`` then
+            ``rows`` (see ``piece_norms``).
+    """
+    whole: list[torch.Tensor] = []
+    whole_owner: list[int] = []
+    rows: list[torch.Tensor] = []
+    rows_owner: list[tuple[int, int]] = []
+    for i, t in enumerate(tensors):
+        n = t.numel()
+        if n <= piece:
+            whole.append(t)
+            whole_owner.append(i)
+            continue
+        flat = t.reshape(-1)
+        k = n // piece
+        rows.append(flat[: k * piece].view(k, piece))
+        rows_owner.append((i, k))
+        if n > k * piece:
+            whole.append(flat[k * piece :])
+            whole_owner.append(i)
+    return whole, whole_owner, rows, rows_owner
+
+
+def piece_norms(
+    whole: Sequence[torch.Tensor], rows: Sequence[torch.Tensor], p: float
+) -> torch.Tensor:
+    """Float32 ``||piece||_p`` of every piece, ``whole`` first, as one float64 vector."""
+    parts = []
+    if whole:
+        parts.append(torch.stack(torch._foreach_norm(list(whole), p, dtype=torch.float32)))
+    parts += [torch.linalg.vector_norm(r, p, dim=1, dtype=torch.float32) for r in rows]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(_ACC)
+
+
+def in_range(norms: torch.Tensor, powers: torch.Tensor) -> torch.Tensor:
+    """Which float32 piece results kept their range: finite and normal, and the ``|x| ** p`` sum
+    (``powers``) at least ``SUM_TINY`` (NaN is out of range)."""
+    return (norms >= _F32_TINY) & (norms <= _F32_MAX) & (powers >= SUM_TINY)
+
+
+def _finite_slots(
+    tensors: Sequence[torch.Tensor], p: float, host_reads: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of ``||t||_p ** p`` over ``tensors`` and how many hold a NaN or an inf."""
+    whole, whole_owner, rows, rows_owner = split_pieces(tensors, piece_size(p, tensors[0].dtype))
+    norms = piece_norms(whole, rows, p)
+    powers = norms.pow(p)
+    ok = in_range(norms, powers)
+    if host_reads and bool(ok.all()):  # the common case: one read of a CPU flag, no device
+        return powers.sum(), torch.zeros((), dtype=_ACC)
+    owner = torch.tensor(whole_owner + [i for i, k in rows_owner for _ in range(k)])
+    flagged = torch.zeros(len(tensors), dtype=_ACC).index_add_(0, owner, (~ok).to(_ACC)) > 0
+    if host_reads:
+        exact = torch.zeros(len(tensors), dtype=_ACC)
+        redo = flagged.nonzero().flatten().tolist()
+        exact[redo] = torch.stack(torch._foreach_norm([tensors[i] for i in redo], p, dtype=_ACC))
+    else:
+        exact = torch.stack(torch._foreach_norm(list(tensors), p, dtype=_ACC))
+    return recombine(powers, flagged[owner], exact, flagged, p)
+
+
+def recombine(
+    powers: torch.Tensor,
+    piece_flagged: torch.Tensor,
+    exact: torch.Tensor,
+    flagged: torch.Tensor,
+    p: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pieces of unflagged tensors plus the float64 values of flagged ones.
+
+    Args:
+        powers: ``||piece||_p ** p`` per piece (float64).
+        piece_flagged: Whether each piece's tensor is flagged.
+        exact: Float64 ``||t||_p`` per tensor; only the flagged entries are used.
+        flagged: Whether each tensor is flagged.
+        p: The norm's `p`.
+
+    Returns:
+        ``(sum of ||t||_p ** p, number of flagged tensors holding a NaN or an inf)``. With no
+            tensor flagged the sum is bitwise ``powers.sum()``.
+    """
+    kept = torch.where(piece_flagged, 0.0, powers).sum()
+    redone = torch.where(flagged, exact.pow(p), 0.0).sum()
+    nonfinite = (flagged & ~torch.isfinite(exact)).sum(dtype=_ACC)
+    return kept + redone, nonfinite
