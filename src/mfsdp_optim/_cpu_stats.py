@@ -54,12 +54,17 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ACC = torch.float64
 
 
-def applies(tensors: Sequence[torch.Tensor]) -> bool:
+def applies(tensors: Sequence[torch.Tensor], norm_type: float) -> bool:
     """Whether the CPU path computes this bucket: CPU tensors of float32, bfloat16 or float16
-    (the bucket shares one device and dtype), outside ``torch.compile`` tracing."""
+    (the bucket shares one device and dtype), outside ``torch.compile`` tracing, any ``p`` but
+    1 (float32 ``p = 1`` reductions are not vectorised: in pieces they cost more than the
+    float64 copy, so ``p = 1`` keeps the reference path)."""
     first = tensors[0]
     return (
-        first.device.type == "cpu" and first.dtype in _DTYPES and not torch.compiler.is_compiling()
+        first.device.type == "cpu"
+        and first.dtype in _DTYPES
+        and norm_type != 1.0
+        and not torch.compiler.is_compiling()
     )
 
 

@@ -77,10 +77,10 @@ def shard_contribution(
     synchronises with the host. The result is a float64 vector on the tensors' device.
 
     CPU buckets of float32, bfloat16 or float16 (``p != 1``) take
-    ``_cpu_stats.cpu_contribution()`` instead (float32 partials over at most ``_cpu_stats.PIECE`` elements summed in float64, float64
-    recomputation of the tensors whose float32 result lost range); ``host_reads`` lets it read
-    its CPU flags to recompute only those tensors (same result, bitwise). Every other device and
-    dtype ignores ``host_reads``.
+    ``_cpu_stats.cpu_contribution()`` instead: float32 partials over bounded pieces summed in
+    float64, float64 recomputation of the tensors whose float32 result lost range.
+    ``host_reads`` lets it read its CPU flags to recompute only those tensors (same result,
+    bitwise). Every other device and dtype ignores ``host_reads``.
     """
     if not tensors:
         raise ValueError("shard_contribution needs at least one tensor (its device)")
