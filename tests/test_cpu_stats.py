@@ -38,7 +38,9 @@ SCALES = [1e-44, 1e-40, 1e-30, 1e-21, 1e-20, 1e-3, 1.0, 1e15, 1e20, 1e30, F32_MA
 @st.composite
 def tensors_of(draw, dtype):
     """One tensor: a length (0, small, or past one piece), a magnitude, maybe zeros/NaN/inf."""
-    n = draw(st.sampled_from([0, 1, 7, 300, 1025, 2 * _cpu_stats.PIECE + 5]))
+    n = draw(
+        st.sampled_from([0, 1, 7, 300, 1025, 3 * 1024, 5 * 2048 + 256, 2 * _cpu_stats.PIECE + 5])
+    )
     seed = draw(st.integers(0, 2**16))
     scale = draw(st.sampled_from(SCALES))
     gen = torch.Generator().manual_seed(seed)

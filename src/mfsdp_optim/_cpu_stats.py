@@ -127,36 +127,57 @@ def piece_size(p: float, dtype: torch.dtype) -> int:
     return PIECE if p == 2.0 and dtype == torch.float32 else SHORT_PIECE
 
 
+def row_length(numel: int, piece: int) -> int:
+    """Row length for a tensor of ``numel > piece`` elements: the largest power of two that
+    divides ``numel``, capped at ``piece``, when it is at least ``piece // 8`` (no ragged tail,
+    so one view and one reduction), else ``piece``."""
+    low = numel & -numel
+    return min(low, piece) if low >= piece // 8 else piece
+
+
 def split_pieces(
     tensors: Sequence[torch.Tensor], piece: int
-) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[tuple[int, int]]]:
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Cut ``tensors`` into pieces of at most ``piece`` elements (views; a non-contiguous
     tensor longer than ``piece`` is copied by ``reshape``).
 
     Returns:
-        ``(whole, whole_owner, rows, rows_owner)``: tensors and tails reduced whole, with the
-            index of the tensor each belongs to; ``(k, piece)`` views reduced along their rows,
-            with ``(owner, k)`` each. The pieces' results are ordered as ``whole`` then
-            ``rows`` (see ``piece_norms``).
+        ``(whole, rows)``: tensors and ragged tails reduced whole, in tensor order; ``(k,
+            length)`` views reduced along their rows (``length <= piece``, see ``row_length``),
+            in tensor order. The pieces' results are ordered as ``whole`` then ``rows`` (see
+            ``piece_norms``; ``piece_owners`` maps them back to their tensors).
     """
     whole: list[torch.Tensor] = []
-    whole_owner: list[int] = []
     rows: list[torch.Tensor] = []
-    rows_owner: list[tuple[int, int]] = []
-    for i, t in enumerate(tensors):
+    for t in tensors:
         n = t.numel()
         if n <= piece:
             whole.append(t)
-            whole_owner.append(i)
             continue
-        flat = t.reshape(-1)
-        k = n // piece
-        rows.append(flat[: k * piece].view(k, piece))
-        rows_owner.append((i, k))
-        if n > k * piece:
-            whole.append(flat[k * piece :])
-            whole_owner.append(i)
-    return whole, whole_owner, rows, rows_owner
+        length = row_length(n, piece)
+        k = n // length
+        flat = t.view(-1) if t.is_contiguous() else t.reshape(-1)
+        rows.append(flat.view(k, length) if k * length == n else flat[: k * length].view(k, length))
+        if n > k * length:
+            whole.append(flat[k * length :])
+    return whole, rows
+
+
+def piece_owners(tensors: Sequence[torch.Tensor], piece: int) -> torch.Tensor:
+    """Index of the tensor each piece of ``split_pieces(tensors, piece)`` belongs to, in the
+    order of ``piece_norms``' results (int64)."""
+    whole: list[int] = []
+    rows: list[int] = []
+    for i, t in enumerate(tensors):
+        n = t.numel()
+        if n <= piece:
+            whole.append(i)
+            continue
+        length = row_length(n, piece)
+        rows += [i] * (n // length)
+        if n % length:
+            whole.append(i)
+    return torch.tensor(whole + rows, dtype=torch.int64)
 
 
 def piece_norms(
@@ -180,13 +201,14 @@ def _finite_slots(
     tensors: Sequence[torch.Tensor], p: float, host_reads: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of ``||t||_p ** p`` over ``tensors`` and how many hold a NaN or an inf."""
-    whole, whole_owner, rows, rows_owner = split_pieces(tensors, piece_size(p, tensors[0].dtype))
+    piece = piece_size(p, tensors[0].dtype)
+    whole, rows = split_pieces(tensors, piece)
     norms = piece_norms(whole, rows, p)
     powers = norms.pow(p)
     ok = in_range(norms, powers)
     if host_reads and bool(ok.all()):  # the common case: one read of a CPU flag, no device
         return powers.sum(), torch.zeros((), dtype=_ACC)
-    owner = torch.tensor(whole_owner + [i for i, k in rows_owner for _ in range(k)])
+    owner = piece_owners(tensors, piece)
     flagged = torch.zeros(len(tensors), dtype=_ACC).index_add_(0, owner, (~ok).to(_ACC)) > 0
     if host_reads:
         exact = torch.zeros(len(tensors), dtype=_ACC)
