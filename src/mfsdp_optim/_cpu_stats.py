@@ -94,16 +94,13 @@ def cpu_contribution(
     Returns:
         The contribution, as ``_stats_math.shard_contribution()`` defines it.
     """
-    nonempty = [t for t in tensors if t.numel() > 0]
-    if not nonempty:
-        return torch.zeros(3, dtype=_ACC)
     if math.isinf(norm_type):
-        norm_slot, nonfinite = _inf_slots(nonempty)
+        norm_slot, nonfinite = _inf_slots([t for t in tensors if t.numel() > 0])
     else:
-        norm_slot, nonfinite = _finite_slots(nonempty, norm_type, host_reads)
+        norm_slot, nonfinite = _finite_slots(tensors, norm_type, host_reads)
         norm_slot = norm_slot / replication
     counted = count_zeros and canonical
-    zeros = zero_count(nonempty) if counted else torch.zeros((), dtype=_ACC)
+    zeros = zero_count(tensors) if counted else torch.zeros((), dtype=_ACC)
     return torch.stack([norm_slot, zeros, nonfinite])
 
 
@@ -115,7 +112,10 @@ def zero_count(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def _inf_slots(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Largest ``max|x|`` (NaN wins) and how many tensors hold a NaN or an inf."""
+    """Largest ``max|x|`` (NaN wins) and how many tensors hold a NaN or an inf (``tensors``
+    not empty: a maximum has no identity)."""
+    if not tensors:
+        return torch.zeros((), dtype=_ACC), torch.zeros((), dtype=_ACC)
     lows, highs = zip(*(torch.aminmax(t) for t in tensors))
     peaks = torch.maximum(torch.stack(highs), torch.stack(lows).neg()).to(_ACC)
     return peaks.max(), (~torch.isfinite(peaks)).sum(dtype=_ACC)
@@ -139,7 +139,7 @@ def split_pieces(
     tensors: Sequence[torch.Tensor], piece: int
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Cut ``tensors`` into pieces of at most ``piece`` elements (views; a non-contiguous
-    tensor longer than ``piece`` is copied by ``reshape``).
+    tensor longer than ``piece`` is copied by ``reshape``; empty tensors give no piece).
 
     Returns:
         ``(whole, rows)``: tensors and ragged tails reduced whole, in tensor order; ``(k,
@@ -152,7 +152,8 @@ def split_pieces(
     for t in tensors:
         n = t.numel()
         if n <= piece:
-            whole.append(t)
+            if n:  # an empty tensor is no piece
+                whole.append(t)
             continue
         length = row_length(n, piece)
         k = n // length
@@ -171,7 +172,8 @@ def piece_owners(tensors: Sequence[torch.Tensor], piece: int) -> torch.Tensor:
     for i, t in enumerate(tensors):
         n = t.numel()
         if n <= piece:
-            whole.append(i)
+            if n:
+                whole.append(i)
             continue
         length = row_length(n, piece)
         rows += [i] * (n // length)
@@ -203,6 +205,8 @@ def _finite_slots(
     """Sum of ``||t||_p ** p`` over ``tensors`` and how many hold a NaN or an inf."""
     piece = piece_size(p, tensors[0].dtype)
     whole, rows = split_pieces(tensors, piece)
+    if not whole and not rows:  # every tensor empty
+        return torch.zeros((), dtype=_ACC), torch.zeros((), dtype=_ACC)
     norms = piece_norms(whole, rows, p)
     powers = norms.pow(p)
     ok = in_range(norms, powers)
