@@ -112,7 +112,9 @@ def reduce_buckets(
     """
     require_member(group)
     device = collective_device(group)
-    rows, failure, p, world = _gather_rows(buckets, norm_type, count_zeros, group, device)
+    rows, failure, p, world = _gather_rows(
+        buckets, norm_type, count_zeros, group, device, host_reads=host_sync
+    )
     if not host_sync:
         if failure is not None:
             raise failure
@@ -139,7 +141,7 @@ def reduce_buckets_deferred(
     """
     require_member(group)
     device = collective_device(group)
-    stats_rows = _gather_rows(buckets, norm_type, count_zeros, group, device)
+    stats_rows = _gather_rows(buckets, norm_type, count_zeros, group, device, host_reads=True)
     rows, failure, p, world = stats_rows
     if failure is not None:
         return (
@@ -161,9 +163,11 @@ def _gather_rows(
     count_zeros: bool,
     group: dist.ProcessGroup | None,
     device: torch.device,
+    host_reads: bool = False,
 ) -> tuple[torch.Tensor, BaseException | None, float, int]:
     """This rank's row (contribution, failure flag, arguments, marker) and THE collective:
-    every rank's rows, ``(rows, this rank's failure, p, world)``."""
+    every rank's rows, ``(rows, this rank's failure, p, world)``. ``host_reads``: the CPU stats
+    may read their own CPU flags before the collective (see ``_cpu_stats``)."""
     failure = buckets if isinstance(buckets, BaseException) else None
     p = math.nan
     contribution = None
@@ -172,7 +176,13 @@ def _gather_rows(
             p = check_norm_type(norm_type)
             if count_zeros not in (True, False):
                 raise TypeError(f"count_zeros must be True or False, got {count_zeros!r}")
-            contribution = _local_contribution(buckets, p, bool(count_zeros), device)  # type: ignore[arg-type]
+            contribution = _local_contribution(
+                buckets,  # type: ignore[arg-type]
+                p,
+                bool(count_zeros),
+                device,
+                host_reads=host_reads,
+            )
         except Exception as exc:  # any type: the peers must hear of it, not wait for it
             failure = exc
     if failure is not None:
@@ -300,10 +310,14 @@ def _check_same_arguments(meta: torch.Tensor, world: int) -> None:
 
 
 def _local_contribution(
-    buckets: Buckets, norm_type: float, count_zeros: bool, device: torch.device
+    buckets: Buckets,
+    norm_type: float,
+    count_zeros: bool,
+    device: torch.device,
+    host_reads: bool = False,
 ) -> torch.Tensor:
     rows = [
-        _bucket_contribution(tensors, norm_type, replication, canonical, count_zeros)
+        _bucket_contribution(tensors, norm_type, replication, canonical, count_zeros, host_reads)
         for (_, _, replication, canonical), tensors in buckets.items()
     ]
     if not rows:
@@ -320,10 +334,14 @@ def _bucket_contribution(
     replication: int,
     canonical: bool,
     count_zeros: bool,
+    host_reads: bool = False,
 ) -> torch.Tensor:
-    """One bucket's contribution: the fused kernel where it applies, else multi-tensor torch."""
+    """One bucket's contribution: the fused kernel where it applies, else multi-tensor torch
+    (on CPU: ``_cpu_stats``, which may read its CPU flags when ``host_reads``)."""
     kwargs: dict[str, Any] = dict(
         norm_type=norm_type, replication=replication, canonical=canonical, count_zeros=count_zeros
     )
     row = _fused.shard_contribution(tensors, **kwargs)
-    return row if row is not None else shard_contribution(tensors, **kwargs)
+    if row is not None:
+        return row
+    return shard_contribution(tensors, host_reads=host_reads, **kwargs)

@@ -16,7 +16,9 @@ first slot and sums in the others. Both are gathered (``_reduce``: one all-gathe
 so ranks with different arguments can never issue different collectives) and combined by
 ``combine_contributions()``, which is also what combines the groups of one rank. Accumulation is
 float64 throughout: a float32 grad of 1e30 squares to 1e60 without
-overflow, and the zero count stays exact far past 2**24.
+overflow, and the zero count stays exact far past 2**24. On CPU (``_cpu_stats``) float32 partial
+sums of at most ``_cpu_stats.PIECE`` elements are accumulated in float64, and a tensor whose
+float32 partial lost range is recomputed in float64.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from . import _cpu_stats
 
 __all__ = [
     "NORM_SLOT",
@@ -62,6 +66,7 @@ def shard_contribution(
     replication: int,
     canonical: bool,
     count_zeros: bool,
+    host_reads: bool = False,
 ) -> torch.Tensor:
     """Contribution of local shards that share a device, a dtype and a layout.
 
@@ -70,9 +75,24 @@ def shard_contribution(
     ranks, and ``canonical`` says whether this rank is the one that counts their zeros. Runs as a
     few multi-tensor kernels (``torch._foreach_norm``) whatever the number of tensors, and never
     synchronises with the host. The result is a float64 vector on the tensors' device.
+
+    CPU buckets of float32, bfloat16 or float16 (``p != 1``) take
+    ``_cpu_stats.cpu_contribution()`` instead: float32 partials over bounded pieces summed in
+    float64, float64 recomputation of the tensors whose float32 result lost range.
+    ``host_reads`` lets it read its CPU flags to recompute only those tensors (same result,
+    bitwise). Every other device and dtype ignores ``host_reads``.
     """
     if not tensors:
         raise ValueError("shard_contribution needs at least one tensor (its device)")
+    if _cpu_stats.applies(tensors, norm_type):
+        return _cpu_stats.cpu_contribution(
+            tensors,
+            norm_type=norm_type,
+            replication=replication,
+            canonical=canonical,
+            count_zeros=count_zeros,
+            host_reads=host_reads,
+        )
     device = tensors[0].device
     if math.isinf(norm_type):  # the max of an empty tensor has no identity
         tensors = [t for t in tensors if t.numel() > 0]

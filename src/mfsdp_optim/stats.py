@@ -88,8 +88,9 @@ def grad_stats(
     ``group`` must call, a rank without grads with an empty iterable, all with the same
     ``norm_type`` and ``count_zeros``. Local work is grouped by (device, dtype, layout) and runs
     as multi-tensor kernels (a fused Triton kernel on CUDA when available); accumulation is
-    float64. The host reads back the 4 agreement numbers per rank (on CUDA: one small
-    device-to-host copy after the collective).
+    float64 (on CPU: float32 partial sums of at most 256 elements added in float64, a grad whose
+    float32 result lost range recomputed in float64; see Concepts). The host reads back the 4
+    agreement numbers per rank (on CUDA: one small device-to-host copy after the collective).
 
     Failures never leave a rank waiting, and no rank gets a number when any rank failed. A rank
     whose input or arguments are refused (a plain tensor: TypeError; a ``Partial`` placement or a
