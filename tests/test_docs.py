@@ -13,6 +13,8 @@ Without a comment, a block runs in this process in a fresh namespace.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import os
 import re
 import subprocess
@@ -177,6 +179,77 @@ def test_doc_code(page, ranks):
             ranks(prog.ranks).run(_exec, prog.code, where, timeout=180.0)
 
 
+PUBLIC_MODULES = (
+    "mfsdp_optim",
+    "mfsdp_optim.checkpoint",
+    "mfsdp_optim.stats",
+    "mfsdp_optim.grad_scaler",
+)
+REST_MARKUP = re.compile(r":(?:meth|class|func):|::\s*$", re.M)
+
+
+def _public_objects() -> list[tuple[str, object]]:
+    """``(qualified name, object)`` of each function and class in the public ``__all__`` lists."""
+    out = []
+    for mod_name in PUBLIC_MODULES:
+        mod = importlib.import_module(mod_name)
+        for name in mod.__all__:
+            obj = getattr(mod, name)
+            if inspect.isfunction(obj) or inspect.isclass(obj):
+                out.append((f"{mod_name}.{name}", obj))
+    return out
+
+
+def _parameters(obj: object) -> list[str]:
+    """The parameters a caller passes (``self`` excluded); ``[]`` for a class that keeps the
+    constructor of a builtin base (an exception class that adds nothing)."""
+    try:
+        sig = inspect.signature(obj)  # type: ignore[arg-type]
+    except ValueError:
+        assert inspect.isclass(obj) and not inspect.isfunction(obj.__init__), obj
+        return []
+    return [p for p in sig.parameters if p not in ("self", "cls")]
+
+
+def _docstrings(obj: object) -> list[tuple[str, str]]:
+    """``(where, docstring)`` of ``obj`` and, for a class, of the public members it defines."""
+    out = [("", inspect.getdoc(obj) or "")]
+    if inspect.isclass(obj):
+        for name, member in vars(obj).items():
+            if name.startswith("_") or not (
+                inspect.isfunction(member)
+                or isinstance(member, (property, classmethod, staticmethod))
+            ):
+                continue
+            doc = getattr(member, "__doc__", None)
+            if doc and doc is not obj.__doc__:
+                out.append((f".{name}", inspect.cleandoc(doc)))
+    return out
+
+
+def test_public_docstrings_are_google_style():
+    """Every public function and class with parameters documents them in an ``Args:`` (or, for
+    a record type, ``Attributes:``) section, and no reST markup is left (mkdocstrings' Google
+    parser renders ``:meth:`` roles and ``::`` literal blocks as plain text)."""
+    objects = _public_objects()
+    assert len(objects) >= 30, f"only {len(objects)} public objects found: is __all__ read?"
+    problems = []
+    for qualname, obj in objects:
+        doc = inspect.getdoc(obj) or ""
+        if not doc:
+            problems.append(f"{qualname}: no docstring")
+        sections = {line.strip() for line in doc.splitlines()}
+        if _parameters(obj) and not sections & {"Args:", "Attributes:"}:
+            problems.append(f"{qualname}: parameters {_parameters(obj)} but no Args: section")
+        for where, text in _docstrings(obj):
+            for m in REST_MARKUP.finditer(text):
+                line = text[: m.start()].count("\n") + 1
+                problems.append(
+                    f"{qualname}{where}: reST markup {m.group(0).strip()!r} (line {line})"
+                )
+    assert not problems, "docstrings not in Google style:\n  " + "\n  ".join(problems)
+
+
 @pytest.fixture(scope="module")
 def built_site(tmp_path_factory):
     """The site built once with ``mkdocs build --strict`` (what ``nox -s docs`` runs); needs
@@ -244,6 +317,9 @@ def test_api_page_renders_docstrings(built_site):
     # a reST literal block ("Save::") shows up as text ending in "::"
     literal = re.findall(r"[^\s<>]{1,40}::</p>", html)
     assert not literal, f"reST literal blocks on the API page: {literal}"
+    # a cross-reference whose target is not on the page stays as its literal [title][id] text
+    unresolved = sorted(set(re.findall(r"\[[^\[\]<>]{1,80}\]\[mfsdp_optim[\w.]*\]", html)))
+    assert not unresolved, f"unresolved cross-references on the API page: {unresolved}"
 
 
 def _object(html: str, identifier: str) -> str:

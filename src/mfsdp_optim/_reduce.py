@@ -74,8 +74,14 @@ class GradStats(NamedTuple):
 class RankFailedError(RuntimeError):
     """Raised on the healthy ranks of the grad-stats group when another rank's input was refused.
 
-    ``failures`` maps each failing rank (its rank in the group) to ``"ExcType: message"``. The
-    failing rank itself raises its own exception; nobody gets a statistic.
+    The failing rank itself raises its own exception; nobody gets a statistic.
+
+    Args:
+        message: The error message (it names the failing ranks and their errors).
+        failures: Each failing rank (its rank in the group) mapped to ``"ExcType: message"``.
+
+    Attributes:
+        failures: Each failing rank (its rank in the group) mapped to ``"ExcType: message"``.
     """
 
     def __init__(self, message: str, failures: dict[int, str]):

@@ -69,23 +69,37 @@ def build_sharded_state_dict(
 ) -> dict:
     """This rank's fsdp_dtensor state dict of ``optimizer`` over the params ``records`` describe.
 
-    Every rank of ``group`` (default WORLD; it must contain every rank that holds any of the
-    params) calls it. The keyspace is derived locally and agreed with ONE ``all_reduce`` of a
-    fixed-size digest; only when the ranks' digests differ does it add ONE ``all_gather_object``
-    of compact descriptions (see ``_keyspace``). Afterwards every rank that holds a shard of a
-    param (an empty one included) emits the same FQNs and tensor state keys, with zeros in the
-    param's layout (empty when its local shard is empty) where its own optimizer holds no state.
-    A param that no rank has state for has no ``"state"`` entry anywhere and an empty scalar part
-    in its ``"param_to_group_meta"`` entry. ``"param_to_group_meta"`` is one ``GroupMetaTable``,
-    identical on every rank of ``group``, covering every param any rank's optimizer holds.
+    Every rank of ``group`` calls it. The keyspace is derived locally and agreed with ONE
+    ``all_reduce`` of a fixed-size digest; only when the ranks' digests differ does it add ONE
+    ``all_gather_object`` of compact descriptions (see ``_keyspace``). Afterwards every rank that
+    holds a shard of a param (an empty one included) emits the same FQNs and tensor state keys, with
+    zeros in the param's layout (empty when its local shard is empty) where its own optimizer holds
+    no state. A param that no rank has state for has no ``"state"`` entry anywhere and an empty
+    scalar part in its ``"param_to_group_meta"`` entry. ``"param_to_group_meta"`` is one
+    ``GroupMetaTable``, identical on every rank of ``group``, covering every param any rank's
+    optimizer holds.
 
-    ``is_loading=True`` first gives every param without state the state its first step would
-    create, with ``step`` 0 and without moving params or hyperparameters (``init_state_fn``, when
-    given, is called on the optimizer instead), so DCP has tensors to load into.
+    Args:
+        optimizer: The base optimizer (a stock ``torch.optim.Optimizer`` over the params, or
+            over local-shard aliases of them).
+        records: One ``ParamRecord`` per trainable param: its FQN, the model's DTensor param
+            and the tensor this rank's base optimizer holds for it (None when it holds none).
+        is_loading: First give every param without state the state its first step would
+            create, with ``step`` 0 and without moving params or hyperparameters, so DCP has
+            tensors to load into.
+        init_state_fn: With ``is_loading=True``, called on the optimizer instead to create that
+            state.
+        group: The ranks that call (default WORLD); it must contain every rank that holds any
+            of the params.
 
-    Raises ``KeyspaceError`` (a ``ValueError``) on every rank when some rank holds state that
-    cannot be laid out (non-parameter-shaped tensors, non-plain hyperparameters) or ranks disagree
-    on a param's keys, dtypes or hyperparameters.
+    Returns:
+        ``{"state": {fqn: {key: DTensor}}, "param_to_group_meta": GroupMetaTable}``, the state
+            DTensors sharing storage with the live state.
+
+    Raises:
+        KeyspaceError: On every rank, when some rank holds state that cannot be laid out
+            (non-parameter-shaped tensors, non-plain hyperparameters) or ranks disagree on a
+            param's keys, dtypes or hyperparameters (a ``ValueError``).
     """
     if is_loading:
         if init_state_fn is not None:

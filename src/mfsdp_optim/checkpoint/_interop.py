@@ -35,10 +35,27 @@ __all__ = ["from_torch_state_dict", "to_torch_state_dict"]
 
 
 def from_torch_state_dict(osd: dict) -> dict:
-    """torch's unflattened optimizer state dict -> fsdp_dtensor layout, format 3 (DTensors and
-    other non-0-d tensors shared in ``state``; 0-d tensors and plain values, i.e. ``step``, as
-    numbers in the param's leaf of the ``param_to_group_meta`` table, which covers every FQN of
-    ``param_groups``, in their order)."""
+    """torch's unflattened optimizer state dict -> fsdp_dtensor layout, format 3.
+
+    DTensors and other non-0-d tensors are shared in ``state``; 0-d tensors and plain values,
+    i.e. ``step``, become numbers in the param's leaf of the ``param_to_group_meta`` table, which
+    covers every FQN of ``param_groups``, in their order. ``osd`` is not mutated.
+
+    Args:
+        osd: torch's unflattened optimizer state dict (``get_optimizer_state_dict`` with
+            ``StateDictOptions(flatten_optimizer_state_dict=False)``): ``{"state": {fqn:
+            {...}}, "param_groups": [{..., "params": [fqn, ...]}]}``.
+
+    Returns:
+        ``{"state": {fqn: {key: tensor}}, "param_to_group_meta": GroupMetaTable}``.
+
+    Raises:
+        ValueError: ``osd`` is not such a dict: other top-level keys, a flattened state dict,
+            param ids instead of FQNs (``optimizer.state_dict()``), or an FQN in more than one
+            param group.
+        TypeError: A hyperparameter or scalar state value a checkpoint cannot hold as plain
+            data (a multi-element tensor, an arbitrary object).
+    """
     if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
         got = sorted(osd) if isinstance(osd, dict) else type(osd).__name__
         raise ValueError(f"expected {{'state': ..., 'param_groups': [...]}}, got {got}")
@@ -99,7 +116,24 @@ def to_torch_state_dict(sd: dict) -> dict:
 
     Params whose hyperparameters are equal form one group, in first-seen order; groups that held
     equal hyperparameters in the original optimizer therefore merge, which torch's
-    ``set_optimizer_state_dict`` accepts (it maps params by FQN).
+    ``set_optimizer_state_dict`` accepts (it maps params by FQN). ``sd`` is not mutated.
+
+    Args:
+        sd: An fsdp_dtensor optimizer state dict, ``{"state": ..., "param_to_group_meta":
+            ...}``: what [build_sharded_state_dict][mfsdp_optim.checkpoint.build_sharded_state_dict]
+            returns, or what ``dcp.load`` left in it (the table as its tagged tuple), or format 2
+            (a dict of leaves per FQN) or 0.1.0's format 1 (a hyperparameter dict per FQN,
+            ``step`` inside ``state[fqn]``).
+
+    Returns:
+        ``{"state": {fqn: {key: tensor}}, "param_groups": [{..., "params": [fqn, ...]}]}``,
+            the layout ``set_optimizer_state_dict`` and ``dcp.load`` of a torch checkpoint use.
+
+    Raises:
+        ValueError: ``sd`` does not have exactly the keys ``state`` and
+            ``param_to_group_meta``, or a ``param_to_group_meta`` leaf is malformed (the
+            message names its FQN).
+        TypeError: A hyperparameter a checkpoint cannot hold as plain data.
     """
     if not isinstance(sd, dict) or set(sd) != {"state", "param_to_group_meta"}:
         got = sorted(sd) if isinstance(sd, dict) else type(sd).__name__

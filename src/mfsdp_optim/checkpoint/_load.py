@@ -332,10 +332,25 @@ def load_sharded_state_dict(
     format-1 ``param_to_group_meta``) that no record names (unexpected); held params without
     ``param_to_group_meta`` (missing); hyperparameter names against the live param group; state
     keys against the live state; DTensor global shape, mesh, placements and dtype against the param
-    and the live state; scalars. Every rank of ``group`` (default WORLD) then shares its findings
-    with ONE ``all_reduce`` (and, only when some rank found something, an ``all_gather_object``
-    of the messages); if any rank found anything, every rank raises
-    ``StateDictMismatchError`` (a ``ValueError``) listing all of it, and no optimizer changed.
+    and the live state; scalars. Every rank of ``group`` then shares its findings with ONE
+    ``all_reduce`` (and, only when some rank found something, an ``all_gather_object`` of the
+    messages); if any rank found anything, every rank raises, and no optimizer changed.
+
+    Args:
+        optimizer: The base optimizer to restore (hyperparameters, scalar state and
+            FQN-keyed state; tensors ``dcp.load`` already wrote in place are left as they are,
+            others are copied into the live state).
+        records: One ``ParamRecord`` per trainable param, as given to
+            [build_sharded_state_dict][mfsdp_optim.checkpoint.build_sharded_state_dict].
+        state_dict: The fsdp_dtensor state dict: what ``build_sharded_state_dict(...,
+            is_loading=True)`` returned after ``dcp.load`` filled it, or
+            [from_torch_state_dict][mfsdp_optim.checkpoint.from_torch_state_dict] of a
+            separately loaded dict.
+        group: The ranks that call (default WORLD); every rank of it must call.
+
+    Raises:
+        StateDictMismatchError: On every rank, listing everything any rank found (a
+            ``ValueError``); no optimizer changed.
     """
     try:
         state_dict = as_format1(_own_leaves(state_dict, records))

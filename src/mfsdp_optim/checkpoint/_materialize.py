@@ -96,7 +96,21 @@ def _as_stock(key: str, value: object, param: torch.Tensor, clone: torch.Tensor)
 
 def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Give every param of ``optimizer`` that has no state the state its first step would create,
-    with ``step`` = 0, leaving params, param groups and existing state untouched."""
+    with ``step`` = 0, leaving params, param groups and existing state untouched.
+
+    The live optimizer never steps: a scratch copy of it steps zero clones of the state-less
+    params once (one param-sized buffer per such param for the duration), and their state is
+    handed over. Purely local: no collective.
+
+    Args:
+        optimizer: The base optimizer; its state gains entries for the params that had none.
+
+    Raises:
+        RuntimeError: The scratch step failed (an optimizer whose ``step`` needs a closure, such
+            as LBFGS, or sparse grads, such as SparseAdam: pass ``init_state_fn`` to
+            [build_sharded_state_dict][mfsdp_optim.checkpoint.build_sharded_state_dict]
+            instead).
+    """
     missing = [p for g in optimizer.param_groups for p in g["params"] if not optimizer.state.get(p)]
     if not missing:
         return

@@ -57,8 +57,23 @@ def prune_to_checkpoint(state_dict: dict, checkpoint: Any, *, prefix: str = "opt
     checkpoint's: format 2's per-FQN leaves (one item per param; ``as_format2``) or
     0.1.0's format 1 (a dict of hyperparameters per FQN, ``step`` in ``state``; ``as_format1``),
     all of which ``load_sharded_state_dict`` accepts. Works on every layout (``state`` keyed by
-    FQN); tensors are shared, the input is not mutated. ``prefix`` is the key the optimizer
-    state dict was saved under.
+    FQN); tensors are shared, the input is not mutated. Purely local: it reads the checkpoint's
+    metadata on each rank that calls it, with no collective.
+
+    Args:
+        state_dict: The load target, an fsdp_dtensor optimizer state dict (what
+            ``build_sharded_state_dict(..., is_loading=True)`` returned).
+        checkpoint: The checkpoint: a directory path (its ``.metadata`` is read through
+            ``safe_read_metadata()``, which unpickles nothing outside an allow-list), a DCP
+            ``StorageReader``, or its ``Metadata`` itself.
+        prefix: The key the optimizer state dict was saved under.
+
+    Returns:
+        The pruned target, in the checkpoint's layout (tensors shared with ``state_dict``).
+
+    Raises:
+        FileNotFoundError: A path that is not a directory, or has no ``.metadata`` (not a
+            finished DCP checkpoint).
     """
     from ._load import as_format1, as_format2
     from ._table import GroupMetaTable, as_table, is_table

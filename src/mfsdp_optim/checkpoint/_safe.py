@@ -91,9 +91,19 @@ class _MetadataUnpickler(pickle.Unpickler):
 def safe_read_metadata(path: str | os.PathLike) -> Any:
     """The ``Metadata`` of the DCP checkpoint directory ``path``, unpickled with the allow-list.
 
-    Raises FileNotFoundError when there is no ``.metadata``, ``UnsafeCheckpointError`` when it
-    references anything outside the allow-list, and ``pickle.UnpicklingError`` / ``EOFError`` /
-    ``ValueError`` when it is not a pickle (truncated, another format).
+    Args:
+        path: The DCP checkpoint directory (the one holding ``.metadata``).
+
+    Returns:
+        The checkpoint's ``torch.distributed.checkpoint.metadata.Metadata``.
+
+    Raises:
+        FileNotFoundError: There is no ``.metadata``.
+        UnsafeCheckpointError: It references anything outside the allow-list (or unpickles to
+            something other than DCP ``Metadata``).
+        pickle.UnpicklingError: It is not a pickle (truncated, another format).
+        EOFError: Likewise (a truncated file).
+        ValueError: Likewise (another format).
     """
     from torch.distributed.checkpoint.metadata import Metadata
 
@@ -136,7 +146,18 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """``DefaultLoadPlanner`` that loads non-tensor items with ``torch.load(weights_only=True)``."""
+    """``DefaultLoadPlanner`` that loads non-tensor items with ``torch.load(weights_only=True)``.
+
+    Plain numbers, strings, tuples, lists, dicts and tensors load; any other object raises
+    ``UnsafeCheckpointError`` (torch's default planner would have run it).
+
+    Args:
+        flatten_state_dict: As for ``DefaultLoadPlanner``: flatten nested dicts to DCP's
+            dotted keys (default True).
+        flatten_sharded_tensors: As for ``DefaultLoadPlanner`` (default True).
+        allow_partial_load: As for ``DefaultLoadPlanner``: keys of the state dict missing from
+            the checkpoint are left as they are instead of raising (default False).
+    """
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         from torch.distributed.checkpoint._traverse import set_element

@@ -381,26 +381,45 @@ def save_checkpoint(
 ) -> str:
     """Save ``state_dict`` with ``torch.distributed.checkpoint`` and publish it atomically.
 
-    Every rank of ``process_group`` (default WORLD) calls it with its own state dict (for example
-    ``{"optimizer": opt.sharded_state_dict(), "grad_scaler": opt.grad_scaler_state_dict()}``).
-    First the ranks check, with one collective, that they agree on what they save: every DTensor
-    key on exactly the ranks of its mesh with one global shape, dtype and layout, and plain
-    tensors / objects equal wherever they appear (DCP keeps one copy of those); otherwise
-    ``RankDisagreementError`` on every rank and nothing is written. DCP then writes into
-    ``<directory>.incomplete``; once every rank reports its writes done, rank 0 writes the
-    CRC32 of every item (``checksums=True``), the completion marker (file sizes, SHA-256 of
-    ``.metadata``, ``metadata``: any JSON-able dict of yours) and renames the directory to
-    ``directory``. Returns ``directory`` on every rank.
+    Every rank of ``process_group`` calls it with its own state dict. First the ranks check,
+    with one collective, that they agree on what they save: every DTensor key on exactly the
+    ranks of its mesh with one global shape, dtype and layout, and plain tensors / objects equal
+    wherever they appear (DCP keeps one copy of those); otherwise nothing is written. DCP then
+    writes into ``<directory>.incomplete``; once every rank reports its writes done, rank 0
+    writes the CRC32 of every item (``checksums=True``), the completion marker (file sizes,
+    SHA-256 of ``.metadata``, ``metadata``) and renames the directory to ``directory``.
 
-    Every rank must pass the same ``directory`` (RankDisagreementError on every rank otherwise,
-    nothing written); names ending in ``.incomplete`` or ``.old-<8 hex digits>`` are reserved
-    (ValueError). An existing ``directory`` raises FileExistsError on every rank unless
-    ``overwrite=True``; the old one is then replaced after the new one is complete, in one atomic
-    directory exchange where the OS offers it, so the name always holds a whole checkpoint, the
-    old or the new one (see docs/reliability.md for the fallback). A stale
-    ``<directory>.incomplete`` from a crashed save is deleted first. ``writer_cls`` (a
-    ``FileSystemWriter`` subclass) and
-    ``thread_count`` go to DCP.
+    With ``overwrite=True`` the old directory is replaced after the new one is complete, in one
+    atomic directory exchange where the OS offers it, so the name always holds a whole
+    checkpoint, the old or the new one (see docs/reliability.md for the fallback). A stale
+    ``<directory>.incomplete`` from a crashed save is deleted first.
+
+    Args:
+        state_dict: This rank's state dict, for example ``{"optimizer":
+            opt.sharded_state_dict(), "grad_scaler": opt.grad_scaler_state_dict()}``.
+        directory: Where the checkpoint is published; the same path on every rank. Names
+            ending in ``.incomplete`` or ``.old-<8 hex digits>`` are reserved.
+        checksums: Also write the CRC32 of every item DCP wrote (``mfsdp_checksums.json``),
+            so a load catches bit flips.
+        overwrite: Replace an existing ``directory`` (atomically, once the new one is complete).
+        process_group: The ranks that save (default WORLD); every rank of it must call.
+        metadata: Any JSON-able dict of yours, stored in the completion marker.
+        writer_cls: The DCP storage writer class (a ``FileSystemWriter`` subclass), given to DCP.
+        thread_count: The writer's thread count, given to DCP.
+
+    Returns:
+        The published checkpoint directory (as an absolute path), on every rank.
+
+    Raises:
+        RankDisagreementError: On every rank, nothing written, when the ranks disagree on what
+            they save or pass different ``directory`` paths.
+        ValueError: On every rank, for a reserved ``directory`` name.
+        FileExistsError: On every rank, when ``directory`` exists and ``overwrite`` is False
+            (or it exists and is not a directory).
+        RuntimeError: ``dcp.save`` failed (a rank probably died or was killed during the
+            save: nothing was published, the previous checkpoint is untouched, the partial files
+            are in ``<directory>.incomplete``), a checkpoint collective failed or timed out, or
+            the checkpoint could not be published.
     """
     rank, world, _ = _dist(process_group)
     final = os.path.abspath(os.fspath(directory))
@@ -592,9 +611,21 @@ def _replaced(path: str) -> str | None:
 
 
 def checkpoint_status(directory: str | os.PathLike) -> tuple[str, str]:
-    """``(status, message)`` of ``directory`` without reading any tensor data or unpickling:
-    ``"complete"`` (this package's marker), ``"dcp"`` (a finished DCP checkpoint without the
-    marker: written by plain ``dcp.save``), ``"incomplete"`` or ``"missing"``."""
+    """``(status, message)`` of ``directory`` without reading any tensor data or unpickling.
+
+    Purely local (no collective); it only lists directories.
+
+    Args:
+        directory: The checkpoint directory (or a ``<directory>.incomplete`` staging one).
+
+    Returns:
+        status (str): ``"complete"`` (this package's marker; also when a crashed overwrite left
+            the name resolving to the previous checkpoint), ``"dcp"`` (a finished DCP checkpoint
+            without the marker: written by plain ``dcp.save``), ``"incomplete"`` or
+            ``"missing"``.
+        message (str): A sentence saying what was found and, for an incomplete checkpoint,
+            what to do.
+    """
     path = os.path.abspath(os.fspath(directory))
     if not os.path.exists(path) and _replaced(path) is not None:
         return "complete", (
@@ -705,13 +736,31 @@ def check_checkpoint(
     require_marker: bool = True,
     _part: tuple[int, int] = (0, 1),
 ) -> dict:
-    """Check ``directory`` without loading it; returns its completion marker (``{}`` for a
-    plain DCP checkpoint accepted with ``require_marker=False``).
+    """Check ``directory`` without loading it.
 
-    Raises IncompleteCheckpointError (the save never finished), FileNotFoundError (no
-    checkpoint there), CorruptCheckpointError (missing, truncated or replaced files, a
-    ``.metadata`` from another run, a checksum mismatch). Reads only JSON and file bytes; it
-    unpickles nothing.
+    Reads only JSON and file bytes; it unpickles nothing. Purely local (no collective).
+
+    Args:
+        directory: The checkpoint directory (a name a crashed overwrite left resolving to the
+            previous checkpoint is followed).
+        verify_checksums: Also recompute the CRC32 of every item the save recorded
+            (reads every byte of the shard files).
+        require_marker: Refuse a plain DCP checkpoint (no completion marker, so nothing proves
+            every rank finished writing it); with False it is accepted, its integrity then
+            resting on DCP alone.
+        _part: Private: ``(index, parts)``, the share of the checksum reads this call does
+            (``load_checkpoint`` splits them over the ranks).
+
+    Returns:
+        Its completion marker (a dict), or ``{}`` for a plain DCP checkpoint accepted with
+            ``require_marker=False``.
+
+    Raises:
+        IncompleteCheckpointError: The save never finished (or, with ``require_marker=True``,
+            a plain DCP checkpoint without the marker).
+        FileNotFoundError: No checkpoint there.
+        CorruptCheckpointError: Missing, truncated or replaced files, a ``.metadata`` from
+            another run, an unreadable marker, a checksum mismatch.
     """
     path = _resolve(os.path.abspath(os.fspath(directory)))
     status, msg = checkpoint_status(path)
@@ -853,8 +902,7 @@ def load_checkpoint(
     strict: bool = True,
     in_place: bool = False,
 ) -> dict:
-    """``dcp.load`` into ``state_dict``, all or nothing, after proving the checkpoint whole;
-    returns its completion marker.
+    """``dcp.load`` into ``state_dict``, all or nothing, after proving the checkpoint whole.
 
     Every rank of ``process_group`` calls it, with the same ``directory``. Before DCP reads
     anything: ``check_checkpoint()`` (completeness, file sizes, ``.metadata`` hash, the CRC32
@@ -864,15 +912,51 @@ def load_checkpoint(
     a section they load (``optimizer.state.<fqn>.max_exp_avg_sq`` saved with ``amsgrad=True``,
     loaded into ``amsgrad=False``: the optimizer would step with half its state). ONE
     ``all_gather_object`` shares every rank's findings and directory; if any rank found anything,
-    every rank raises (IncompleteCheckpointError, CorruptCheckpointError, FileNotFoundError,
-    StateDictMismatchError, RankDisagreementError) and nothing changed.
+    every rank raises and nothing changed.
 
     Then ``dcp.load`` with ``SafeFileSystemReader`` and ``SafeLoadPlanner`` into
     staging copies of ``state_dict``'s tensors; one more small collective agrees that every rank
     loaded, and only then are the copies written into ``state_dict`` (tensors in place, so the
     live optimizer state it shares storage with changes at that moment, on every rank or on
-    none). ``in_place=True`` skips the copies (half the peak memory; a failure inside DCP then
-    leaves the state partly overwritten, everything verifiable having been verified before).
+    none).
+
+    Args:
+        state_dict: The load target, for example ``{"optimizer":
+            opt.sharded_state_dict(is_loading=True), ...}``; filled in place.
+        directory: The checkpoint directory; the same path on every rank.
+        verify_checksums: Recompute the CRC32 of every item the save recorded (the reads
+            split over the ranks).
+        require_marker: Refuse a plain DCP checkpoint without this package's completion
+            marker (``False`` loads it, its integrity then resting on DCP alone).
+        process_group: The ranks that load (default WORLD); every rank of it must call.
+        planner: The DCP load planner (default: ``SafeLoadPlanner``, which loads non-tensor
+            items with ``weights_only=True``).
+        strict: Refuse a checkpoint holding keys the ranks' targets together lack inside a
+            section they load; False leaves those entries out.
+        in_place: Skip the staging copies (half the peak memory; a failure inside DCP then
+            leaves the state partly overwritten, everything verifiable having been verified
+            before).
+
+    Returns:
+        The checkpoint's completion marker (``{}`` for a plain DCP checkpoint loaded with
+            ``require_marker=False``).
+
+    Raises:
+        IncompleteCheckpointError: On every rank, nothing changed: the save never finished
+            (or a plain DCP checkpoint with ``require_marker=True``).
+        CorruptCheckpointError: On every rank, nothing changed: missing, truncated or replaced
+            files, a ``.metadata`` from another run, a checksum mismatch.
+        FileNotFoundError: On every rank, nothing changed: no checkpoint there.
+        StateDictMismatchError: On every rank, nothing changed: a target key missing from the
+            checkpoint or with another global shape or dtype, or (``strict=True``) checkpoint
+            keys the targets lack.
+        RankDisagreementError: On every rank, nothing changed: the ranks passed different
+            ``directory`` paths or targets that do not fit together.
+        UnsafeCheckpointError: On every rank: ``.metadata`` or a non-tensor item asks the
+            unpickler for something outside the allow-list.
+        RuntimeError: ``dcp.load`` failed on some rank (nothing was loaded, or with
+            ``in_place=True`` the state is partly loaded), or a checkpoint collective failed or
+            timed out.
     """
     rank, world, _ = _dist(process_group)
     given = os.path.abspath(os.fspath(directory))
