@@ -137,6 +137,8 @@ def test_stats_table_cache_follows_layout_and_addresses(monkeypatch):
     b = _fused._stats_table(other, 2.0, dev, 0)
     assert b is not a and len(_fused._table_cache) == 2
     assert _fused._stats_table(moved, 2.0, dev, 7) is not a  # another stream
+    halves = [t.to(torch.bfloat16) for t in moved]  # same numels, another element size
+    assert _fused._stats_table(halves, 2.0, dev, 0) is not a
     monkeypatch.setattr(_fused, "TABLE_CACHE_ENABLED", False)
     assert _fused._stats_table(moved, 2.0, dev, 0) is not a
 

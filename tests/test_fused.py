@@ -261,7 +261,7 @@ def test_persistent_table_follows_moved_tensors():
     _check(ts, 2.0)
     numels = tuple(t.numel() for t in ts)
     stream = torch.cuda.current_stream().cuda_stream
-    tab = _fused._table_cache[(ts[0].device.index, stream, numels)]
+    tab = _fused._table_cache[(ts[0].device.index, stream, ts[0].dtype, numels)]
     uploads = tab.table.uploads
     _check(ts, 2.0)
     assert tab.table.uploads == uploads
@@ -269,6 +269,6 @@ def test_persistent_table_follows_moved_tensors():
     ts = [t * 2 for t in ts]  # new tensors at new addresses (old ones still alive)
     _check(ts, 2.0)
     _check(ts, math.inf)
-    assert _fused._table_cache[(ts[0].device.index, stream, numels)] is tab
+    assert _fused._table_cache[(ts[0].device.index, stream, ts[0].dtype, numels)] is tab
     assert tab.table.uploads == uploads + 2  # the offsets, then the norm type
     del old

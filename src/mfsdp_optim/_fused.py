@@ -10,8 +10,8 @@ Design (one launch per bucket, no host synchronisation):
 * The host builds one int64 table (``StatsTable``): each tensor's element offset from the
   first tensor, its ``numel``, and the cumulative count of ``BLOCK``-element *items* (a tensor
   of ``numel`` elements is ``ceil(numel / BLOCK)`` items). The table is persistent
-  (``_arg_table``): kept on the device per (device, stream, numels of the bucket), and at each
-  call only the tensors' addresses are checked; when they moved (FSDP2 re-allocated the grads)
+  (``_arg_table``): kept on the device per (device, stream, dtype, numels of the bucket), and at
+  each call only the tensors' addresses are checked; when they moved (FSDP2 re-allocated the grads)
   only the offsets are re-uploaded, through a pinned buffer and a non-blocking copy. The table
   holds no tensor: its numels are the cache key and its offsets are re-checked at every call.
 * One persistent Triton kernel runs ``G = SMs x programs-per-SM`` programs. Program ``i`` takes a
@@ -461,7 +461,9 @@ def _stats_table(
     """The persistent table for these tensors (cached per device, stream and numels), pointed
     at them; None when the fused kernel cannot take them."""
     numels = tuple(map(torch.Tensor.numel, tensors))
-    key = (device.index, stream, numels)
+    # the dtype too: the offsets are in elements, so a bucket of another element size whose
+    # tensors reuse the same addresses must not find these offsets
+    key = (device.index, stream, tensors[0].dtype, numels)
     tab = _table_cache.get(key) if TABLE_CACHE_ENABLED else None
     if tab is None:
         tab = StatsTable.build(numels, norm_type)
