@@ -43,10 +43,11 @@ def aligned_lists(optimizer: torch.optim.Optimizer) -> list[tuple[str, list[list
         if value is None:
             continue
         lists = _group_params(value)
-        if lists is not None and _matches(lists, groups):
+        if lists is None:
+            continue  # not a per-group list of param lists: nothing apex-like to align
+        if _matches(lists, groups):
             out.append((attr, lists))
-            continue
-        if _holds_tensors(value):
+        elif any(isinstance(t, torch.Tensor) for lst in lists for t in lst):
             raise AlignmentError(
                 f"{type(optimizer).__name__}.{attr} does not match param_groups (it needs one "
                 "dict per group whose 'params' list has one entry per param of that group); "
@@ -72,8 +73,3 @@ def _group_params(value: object) -> list[list] | None:
             return None
         lists.append(params)
     return lists
-
-
-def _holds_tensors(value: object) -> bool:
-    lists = _group_params(value)
-    return bool(lists) and any(isinstance(t, torch.Tensor) for lst in lists or () for t in lst)
