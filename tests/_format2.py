@@ -18,27 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _v010 import sharded_model, train_sharded  # noqa: E402
-
-
-def _write(rank: int, world: int, init: str, out: str) -> None:
-    import torch.distributed as dist
-
-    from mfsdp_optim.checkpoint import build_sharded_state_dict, save_checkpoint
-
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    records, opt = sharded_model()
-    train_sharded(records, opt)
-    sd = build_sharded_state_dict(opt, records)
-    save_checkpoint({"optimizer": sd}, out, metadata={"written_by": "mfsdp_optim format 2"})
-    dist.destroy_process_group()
-
+from _v010 import generate  # noqa: E402
 
 if __name__ == "__main__":
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    target = os.path.abspath(sys.argv[1])
-    init = os.path.join(tempfile.mkdtemp(), "init")
-    mp.start_processes(_write, args=(2, init, target), nprocs=2, start_method="spawn")
+    generate(sys.argv[1], "mfsdp_optim format 2")

@@ -102,7 +102,7 @@ def train_sharded(records, opt) -> None:
         opt.step()
 
 
-def _write(rank: int, world: int, init: str, out: str) -> None:
+def _write(rank: int, world: int, init: str, out: str, written_by: str) -> None:
     import torch.distributed as dist
 
     from mfsdp_optim.checkpoint import build_sharded_state_dict, save_checkpoint
@@ -111,15 +111,20 @@ def _write(rank: int, world: int, init: str, out: str) -> None:
     records, opt = sharded_model()
     train_sharded(records, opt)
     sd = build_sharded_state_dict(opt, records)
-    save_checkpoint({"optimizer": sd}, out, metadata={"written_by": "mfsdp_optim 0.1.0"})
+    save_checkpoint({"optimizer": sd}, out, metadata={"written_by": written_by})
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+def generate(target: str, written_by: str) -> None:
+    """Write the fixture into ``target`` with the code on ``sys.path``, on 2 spawned ranks."""
     import tempfile
 
     import torch.multiprocessing as mp
 
-    target = os.path.abspath(sys.argv[1])
     init = os.path.join(tempfile.mkdtemp(), "init")
-    mp.start_processes(_write, args=(2, init, target), nprocs=2, start_method="spawn")
+    args = (2, init, os.path.abspath(target), written_by)
+    mp.start_processes(_write, args=args, nprocs=2, start_method="spawn")
+
+
+if __name__ == "__main__":
+    generate(sys.argv[1], "mfsdp_optim 0.1.0")
