@@ -56,6 +56,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _compare import import_other
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -215,17 +216,6 @@ def _lockstep_warmup(n: int, contenders: list[Contender], noise: Contender, devi
         print(f"warm-up {i + 1}: " + " | ".join(row))
 
 
-def _import_other(spec: str):
-    """The package named by ``--compare``."""
-    import importlib
-    import sys
-
-    name, _, path = spec.partition("=")
-    if path:
-        sys.path.insert(0, path)
-    return importlib.import_module(name)
-
-
 def _eval_loss(model, batch) -> float:
     with torch.no_grad():
         return float(model(*batch))
@@ -271,7 +261,7 @@ def main() -> None:
         raise SystemExit("--iters and --rounds must be at least 1")
     if args.dim % args.heads:
         raise SystemExit(f"--dim {args.dim} is not a multiple of --heads {args.heads}")
-    other = _import_other(args.compare) if args.compare else None
+    other = import_other(args.compare) if args.compare else None
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts
         torch.use_deterministic_algorithms(True)

@@ -55,6 +55,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from _compare import import_other
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -205,17 +206,6 @@ def _check_cost(tensors) -> None:
     print(f"address check: same_addresses ({cpp}) {bulk:.1f} ns/tensor, Python {py:.1f} ns/tensor")
 
 
-def _import_other(spec: str):
-    """The package named by ``--compare``."""
-    import importlib
-    import sys
-
-    name, _, path = spec.partition("=")
-    if path:
-        sys.path.insert(0, path)
-    return importlib.import_module(name)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -267,7 +257,7 @@ def main() -> None:
         help="the base optimizer (apex_fused_adam: apex.optimizers.FusedAdam)",
     )
     args = ap.parse_args()
-    other = _import_other(args.compare) if args.compare else None
+    other = import_other(args.compare) if args.compare else None
     apex = args.optimizer == "apex_fused_adam"
     if apex:
         from apex.optimizers import FusedAdam
