@@ -361,3 +361,48 @@ def test_count_replication(ranks):
     assert out == {"RS": 2, "RR": 4, "SS": 1, "strided": 1}
     assert errors["plain"][0] == "TypeError" and "DTensor" in errors["plain"][1]
     assert errors["partial"][0] == "ValueError" and "Partial" in errors["partial"][1]
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    kinds=st.lists(
+        st.tuples(st.sampled_from(["float32", "bfloat16"]), st.sampled_from(["S", "R"])),
+        min_size=1,
+        max_size=12,
+    ),
+    reuse=st.booleans(),
+)
+def test_bucketing_matches_a_per_grad_grouping(ranks, kinds, reuse):
+    """``bucket_local_shards``'s list-wide fast path (one key) and its grouping loop (mixed
+    keys) give what grouping every grad by (device, dtype, replication, canonical) gives, in
+    order, for new specs and for cached ones alike."""
+    results = ranks(2).run(_rank_bucketing, kinds, reuse)
+    for got, want in results:
+        assert got == want
+
+
+def _rank_bucketing(kinds, reuse):
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from mfsdp_optim._buckets import bucket_local_shards
+
+    mesh = get_mesh((2,))
+    grads = [
+        DTensor.from_local(
+            torch.full((2, 3), float(i), dtype=DTYPES[dtype]),
+            mesh,
+            [Shard(0) if placement == "S" else Replicate()],
+        )
+        for i, (dtype, placement) in enumerate(kinds)
+    ]
+    if reuse:
+        bucket_local_shards(grads, None)  # the specs are cached now
+    got = {k: [int(t[0, 0]) for t in v] for k, v in bucket_local_shards(grads, None).items()}
+    want: dict = {}
+    rank = dist.get_rank()
+    for i, g in enumerate(grads):
+        replicated = g.placements[0].is_replicate()
+        key = (g._local_tensor.device, g._local_tensor.dtype, 2 if replicated else 1)
+        key += (rank == 0 or not replicated,)
+        want.setdefault(key, []).append(i)
+    return got, want

@@ -8,7 +8,7 @@ pay one dict lookup per grad.
 
 from __future__ import annotations
 
-from collections import defaultdict
+import operator
 from collections.abc import Iterable
 
 import torch
@@ -25,31 +25,69 @@ Buckets = dict[BucketKey, list[torch.Tensor]]
 
 def bucket_local_shards(grads: Iterable[DTensor], group: dist.ProcessGroup | None) -> Buckets:
     """Validate ``grads`` and group their local shards by bucket key (empty shards included:
-    they add nothing to any statistic)."""
-    buckets: Buckets = defaultdict(list)
-    for i, grad in enumerate(grads):
-        info = layout_of(grad, i, group)
-        local = grad._local_tensor
-        buckets[(local.device, local.dtype, info.replication, info.canonical)].append(local)
+    they add nothing to any statistic).
+
+    Steady steps pay a few list-wide passes (spec, local tensor, dtype, device) and one cache
+    lookup per grad, no Python loop over the grads when they share one key (the common case:
+    FSDP2's grads of one dtype on one device)."""
+    grads = grads if type(grads) is list else list(grads)
+    if not grads:
+        return {}
+    parts = _parts_of(grads, group)
+    locals_ = [g._local_tensor for g in grads]
+    dtypes = [t.dtype for t in locals_]
+    devices = [t.device for t in locals_]
+    n = len(grads)
+    part, dtype, device = parts[0], dtypes[0], devices[0]
+    if parts.count(part) == n and dtypes.count(dtype) == n and devices.count(device) == n:
+        return {(device, dtype, *part): locals_}
+    buckets: Buckets = {}
+    for local, dev, dt, (replication, canonical) in zip(locals_, devices, dtypes, parts):
+        buckets.setdefault((dev, dt, replication, canonical), []).append(local)
     return buckets
+
+
+def _parts_of(grads: list[DTensor], group: dist.ProcessGroup | None) -> list[tuple[int, bool]]:
+    """Each grad's ``(replication, canonical)``, validated against ``group`` (raises naming
+    ``grads[i]``); the same tuple object for equal layouts, from ``layout_of``'s cache."""
+    try:
+        specs = list(map(_spec_of, grads))
+    except AttributeError:  # not all DTensors: layout_of names the first that is not
+        specs = [getattr(g, "_spec", None) for g in grads]
+    cache = _LAYOUT_BY_SPEC.get(id(group), {})
+    hits = list(map(cache.get, map(id, specs)))
+    if None in hits:
+        for i, hit in enumerate(hits):
+            if hit is None:
+                layout_of(grads[i], i, group)
+                hits[i] = _LAYOUT_BY_SPEC[id(group)][id(specs[i])]
+    return [hit[2] for hit in hits]  # type: ignore[index]
 
 
 def layout_of(grad: DTensor, index: int, group: dist.ProcessGroup | None) -> LayoutInfo:
     """Replication and canonical flag of ``grad`` (``grads[index]`` in messages), validated
     against ``group``; cached per DTensorSpec object."""
     spec = getattr(grad, "_spec", None)
-    key = (id(spec), id(group))
-    hit = _LAYOUT_BY_SPEC.get(key)
-    if hit is None or hit[0] is not spec:
-        hit = (spec, _checked_layout(grad, f"grads[{index}]", group))
-        if len(_LAYOUT_BY_SPEC) >= _LAYOUT_CACHE_SIZE:
+    cache = _LAYOUT_BY_SPEC.get(id(group))
+    hit = None if cache is None else cache.get(id(spec))
+    if hit is None:
+        info = _checked_layout(grad, f"grads[{index}]", group)
+        pair = (info.replication, info.canonical)
+        part = _PARTS.setdefault(pair, pair)
+        if sum(map(len, _LAYOUT_BY_SPEC.values())) >= _LAYOUT_CACHE_SIZE:
             _LAYOUT_BY_SPEC.clear()
-        _LAYOUT_BY_SPEC[key] = hit
+        hit = _LAYOUT_BY_SPEC.setdefault(id(group), {})[id(spec)] = (spec, info, part)
     return hit[1]
 
 
-# (id(DTensorSpec), id(group)) -> (the spec, kept alive so its id stays unique; its layout)
-_LAYOUT_BY_SPEC: dict[tuple[int, int], tuple[object, LayoutInfo]] = {}
+_spec_of = operator.attrgetter("_spec")
+
+# id(group) -> id(DTensorSpec) -> (the spec, kept alive so that its id names it alone while it
+# is cached; its layout; its (replication, canonical), one shared tuple per distinct pair).
+# A spec is validated once per group; ``id(group)`` can name another group only after that
+# one is freed, and FSDP2 users keep theirs for the whole job.
+_LAYOUT_BY_SPEC: dict[int, dict[int, tuple[object, LayoutInfo, tuple[int, bool]]]] = {}
+_PARTS: dict[tuple[int, bool], tuple[int, bool]] = {}
 _LAYOUT_CACHE_SIZE = 1 << 14
 
 
