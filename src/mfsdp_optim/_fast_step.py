@@ -314,7 +314,13 @@ class FastAdamStep:
                 grad_scale = grad_scale.to(device, non_blocking=True)
             if found_inf is not None:
                 found_inf = found_inf.to(device, non_blocking=True)
-            torch._foreach_add_(steps, 1)
+                # a skipped update leaves the counters where they were: add 1 - found_inf
+                # (exactly 1.0 or 0.0), one multi-tensor launch where torch's _fused_adam adds
+                # 1 and then subtracts found_inf (two; over thousands of small tensors, the
+                # second costs about a third of the first's host time)
+                torch._foreach_add_(steps, 1.0 - found_inf)
+            else:
+                torch._foreach_add_(steps, 1)
             func = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
             func(
                 params,
@@ -333,8 +339,6 @@ class FastAdamStep:
                 grad_scale=grad_scale,
                 found_inf=found_inf,
             )
-            if found_inf is not None:  # a skipped update leaves the counters where they were
-                torch._foreach_sub_(steps, [found_inf] * len(steps))
             return
         # exactly the call Adam.step() makes after _init_group
         _functional_adam(
