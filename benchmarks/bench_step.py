@@ -172,17 +172,35 @@ def _check_finite(label, mode, tensors, wrappers) -> None:
         raise SystemExit(f"{label} {mode}: non-finite params or grads after timing")
 
 
-def _profile(fn, label: str) -> None:
+def _profile(fn, label: str, device: torch.device) -> None:
+    """cProfile of 5 calls (host time by function), after the host time per call: the time
+    until the call returns, then until the device is idle (a step that ends in a host read
+    waits for the device inside the call)."""
     import cProfile
     import pstats
 
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    host, total = [], []
+    for _ in range(10):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        sync()
+        host.append(t1 - t0)
+        total.append(time.perf_counter() - t0)
+    print(
+        f"--- {label}: host {statistics.median(host) * 1e3:.2f} ms per call until it returns, "
+        f"{statistics.median(total) * 1e3:.2f} ms until the device is idle (median of 10) ---"
+    )
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(5):
         fn()
     prof.disable()
-    print(f"--- host profile, 5 wrapper steps, {label} (tottime) ---")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+    sync()
+    print(f"--- host profile, 5 calls, {label} (tottime) ---")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
 def _check_cost(tensors) -> None:
@@ -241,7 +259,8 @@ def main() -> None:
     ap.add_argument(
         "--profile",
         action="store_true",
-        help="also cProfile 5 wrapper steps per row (host time by function)",
+        help="also cProfile 5 calls of every wrapper (and grad_stats) per row (host time by "
+        "function), after its host time per call",
     )
     ap.add_argument(
         "--compare",
@@ -377,7 +396,9 @@ def main() -> None:
             if args.check_cost:
                 _check_cost(locals_)
             if args.profile:
-                _profile(wrappers["wrap"].step, f"{label} {mode}")
+                for k in contenders:
+                    if k in wrappers or k == "grad_stats":
+                        _profile(contenders[k], f"{label} {mode} {k}", device)
             del contenders, wrappers, stock, dparams, locals_, clip_locals, stats_grads
             if device.type == "cuda":
                 torch.cuda.empty_cache()
