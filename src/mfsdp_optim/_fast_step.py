@@ -316,9 +316,11 @@ class FastAdamStep:
                 found_inf = found_inf.to(device, non_blocking=True)
                 # a skipped update leaves the counters where they were: add 1 - found_inf
                 # (exactly 1.0 or 0.0), one multi-tensor launch where torch's _fused_adam adds
-                # 1 and then subtracts found_inf (two; over thousands of small tensors, the
-                # second costs about a third of the first's host time)
-                torch._foreach_add_(steps, 1.0 - found_inf)
+                # 1 and then subtracts found_inf (two). The list overload, as in torch's own
+                # subtraction: a lone 0-d tensor there binds to the Scalar overload and is read
+                # on the host (a sync, seen on the H200 under set_sync_debug_mode("error")).
+                keep = 1.0 - found_inf
+                torch._foreach_add_(steps, [keep] * len(steps))
             else:
                 torch._foreach_add_(steps, 1)
             func = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
