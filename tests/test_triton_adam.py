@@ -229,7 +229,9 @@ def _rank_wrapper(triton: bool):
         _triton_adam._MIN_MEAN_NUMEL = old_min
 
 
-def _wrapper_run(triton: bool):
+def _wrapper_pair(shapes, triton: bool):
+    """(mesh, DTensor params, plain reference params, wrapper over fused AdamW, reference
+    fused AdamW) on one CUDA rank, from the same seeded values."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -237,7 +239,7 @@ def _wrapper_run(triton: bool):
 
     mesh = init_device_mesh("cuda", (1,))
     gen = torch.Generator().manual_seed(0)
-    init = [torch.randn(s, generator=gen).cuda() for s in SHAPES]
+    init = [torch.randn(s, generator=gen).cuda() for s in shapes]
     params = [
         torch.nn.Parameter(DTensor.from_local(t.clone(), mesh, [Shard(0)], run_check=False))
         for t in init
@@ -247,17 +249,30 @@ def _wrapper_run(triton: bool):
     opt = FullyShardedOptimizer(
         torch.optim.AdamW(params, **kw), OptimizerConfig(clip_grad=0.5, triton_adam_step=triton)
     )
-    ref_opt = torch.optim.AdamW(ref, **kw)
+    return mesh, params, ref, opt, torch.optim.AdamW(ref, **kw)
+
+
+def _clipped_step_both(mesh, shapes, step, params, ref, opt, ref_opt):
+    """One step of both on the same fresh grads (the wrapper's norm checked against torch's
+    clip_grad_norm_); returns the grads, before zeroing them."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    g_gen = torch.Generator().manual_seed(10 + step)
+    grads = [torch.randn(s, generator=g_gen).cuda() for s in shapes]
+    for p, q, g in zip(params, ref, grads):
+        p.grad = DTensor.from_local(g.clone(), mesh, [Shard(0)], run_check=False)
+        q.grad = g.clone()
+    ok, norm, _ = opt.step()
+    ref_norm = float(torch.nn.utils.clip_grad_norm_(ref, 0.5))
+    ref_opt.step()
+    assert ok and abs(norm - ref_norm) <= 1e-5 * ref_norm
+    return grads
+
+
+def _wrapper_run(triton: bool):
+    mesh, params, ref, opt, ref_opt = _wrapper_pair(SHAPES, triton)
     for step in range(4):
-        g_gen = torch.Generator().manual_seed(10 + step)
-        grads = [torch.randn(s, generator=g_gen).cuda() for s in SHAPES]
-        for p, q, g in zip(params, ref, grads):
-            p.grad = DTensor.from_local(g.clone(), mesh, [Shard(0)], run_check=False)
-            q.grad = g.clone()
-        ok, norm, _ = opt.step()
-        ref_norm = float(torch.nn.utils.clip_grad_norm_(ref, 0.5))
-        ref_opt.step()
-        assert ok and abs(norm - ref_norm) <= 1e-5 * ref_norm
+        grads = _clipped_step_both(mesh, SHAPES, step, params, ref, opt, ref_opt)
         if triton and step > 0:  # the first step creates the state on the generic path
             for p, g in zip(params, grads):
                 assert torch.equal(p.grad._local_tensor, g), "grads stay unclipped"
@@ -406,37 +421,12 @@ def _wrapper_reload_run(n_params: int):
     """6 clipped AdamW steps of many small params through the wrapper with the Triton step at
     its default size rule, new grads at every step, ``load_state_dict`` after step 3, against
     torch's clip + fused step; returns (launches, builds, fast steps)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
-
-    mesh = init_device_mesh("cuda", (1,))
-    gen = torch.Generator().manual_seed(0)
     shapes = [(64, 8)] * n_params
-    init = [torch.randn(s, generator=gen).cuda() for s in shapes]
-    params = [
-        torch.nn.Parameter(DTensor.from_local(t.clone(), mesh, [Shard(0)], run_check=False))
-        for t in init
-    ]
-    ref = [torch.nn.Parameter(t.clone()) for t in init]
-    kw = dict(lr=1e-2, weight_decay=0.1, fused=True)
-    opt = FullyShardedOptimizer(
-        torch.optim.AdamW(params, **kw), OptimizerConfig(clip_grad=0.5, triton_adam_step=True)
-    )
-    ref_opt = torch.optim.AdamW(ref, **kw)
+    mesh, params, ref, opt, ref_opt = _wrapper_pair(shapes, True)
     for step in range(6):
         if step == 3:
             opt.load_state_dict(opt.state_dict())  # new state tensors: a new table
-        g_gen = torch.Generator().manual_seed(10 + step)
-        grads = [torch.randn(s, generator=g_gen).cuda() for s in shapes]
-        for p, q, g in zip(params, ref, grads):
-            p.grad = DTensor.from_local(g.clone(), mesh, [Shard(0)], run_check=False)
-            q.grad = g.clone()
-        ok, norm, _ = opt.step()
-        ref_norm = float(torch.nn.utils.clip_grad_norm_(ref, 0.5))
-        ref_opt.step()
-        assert ok and abs(norm - ref_norm) <= 1e-5 * ref_norm
+        _clipped_step_both(mesh, shapes, step, params, ref, opt, ref_opt)
         opt.zero_grad()
         ref_opt.zero_grad()
     for p, q in zip(params, ref):
