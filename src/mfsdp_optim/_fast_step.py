@@ -319,8 +319,8 @@ class FastAdamStep:
                 # 1 and then subtracts found_inf (two). The list overload, as in torch's own
                 # subtraction: a lone 0-d tensor there binds to the Scalar overload and is read
                 # on the host (a sync, seen on the H200 under set_sync_debug_mode("error")).
-                keep = 1.0 - found_inf
-                torch._foreach_add_(steps, [keep] * len(steps))
+                addend = 1.0 - found_inf
+                torch._foreach_add_(steps, [addend] * len(steps))
             else:
                 torch._foreach_add_(steps, 1)
             func = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
