@@ -201,6 +201,71 @@ def test_host_sync_false_never_syncs_on_cuda(tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("variant", ["fused", "triton", "scaler"])
+def test_host_sync_true_returns_before_the_update_finishes(tmp_path, variant):
+    """World size 1 on NCCL, ``host_sync=True``: ``step()`` reads the stats on the host, but
+    waits only for them, not for the update enqueued after them. A spin kernel delays the
+    update by about 0.1 s; when ``step()`` returns, the stream must still be busy, and the
+    returned norm must be the brute-force one. Variants: the deferred verdict of the fused
+    fast path (``fused``), the Triton update (verdict before the update), a grad scaler (the
+    skip decision read before the update). Two steps run undelayed first: the first creates
+    the state, and first uses compile the Triton kernel and load CUDA modules, which may wait
+    for the device (once per process, not per step)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from mfsdp_optim import DynamicGradScaler, FullyShardedOptimizer, OptimizerConfig
+    from mfsdp_optim._triton_adam import TritonAdam
+
+    if variant == "triton" and not TritonAdam.available():
+        pytest.skip("needs Triton")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        params = [
+            torch.nn.Parameter(
+                DTensor.from_local(torch.randn(s, device="cuda"), mesh, [Shard(0)], run_check=False)
+            )
+            for s in SHAPES
+        ]
+        opt = FullyShardedOptimizer(
+            torch.optim.AdamW(params, lr=0.01, fused=True),
+            OptimizerConfig(clip_grad=0.5, triton_adam_step=variant == "triton"),
+            grad_scaler=DynamicGradScaler(2.0**4) if variant == "scaler" else None,
+        )
+        original = opt._fast.step
+
+        def delayed(*args, **kwargs):  # the update's kernels start about 0.1 s late
+            torch.cuda._sleep(200_000_000)
+            return original(*args, **kwargs)
+
+        for step in range(4):
+            grads = [torch.randn(p.shape, device="cuda") for p in params]
+            for p, g in zip(params, grads):
+                p.grad = DTensor.from_local(g, mesh, [Shard(0)], run_check=False)
+            want = torch.cat([g.double().flatten() for g in grads]).norm().item()
+            before = params[0]._local_tensor.clone()
+            torch.cuda.synchronize()
+            opt._fast.step = delayed if step > 1 else original  # warm-up: see the docstring
+            ok, norm, _ = opt.step()
+            busy = not torch.cuda.current_stream().query()
+            torch.cuda.synchronize()
+            assert isinstance(norm, float) and ok is True
+            if variant == "scaler":  # these grads stand for scaled ones: unscaled by 2**4
+                norm *= 2.0**4
+            assert norm == pytest.approx(want, rel=1e-5)
+            if step > 1:
+                assert busy, "step() waited for the update"
+                assert opt.fast_steps == step
+            assert not torch.equal(before, params[0]._local_tensor)  # the update ran
+            opt.zero_grad()
+    finally:
+        dist.destroy_process_group()
+
+
 def _rank_deferred_verdict():
     """Fused AdamW on the fast path, no scaler: the stats verdict waits until the update is
     enqueued, gated on the device. A rank whose grad is bad raises; the others raise too, and

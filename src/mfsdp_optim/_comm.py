@@ -1,4 +1,5 @@
-"""Collective plumbing shared by the layers: the group's device and a numpy-free object gather."""
+"""Collective plumbing shared by the layers: the group's device, a numpy-free object gather, and
+host reads that wait for the values they read, not for everything enqueued after them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["SENT", "all_gather_objects", "all_reduce_max", "collective_device"]
+__all__ = ["SENT", "HostRead", "all_gather_objects", "all_reduce_max", "collective_device"]
 
 # bytes this process handed to collectives through these helpers, per helper: what a rank
 # contributes (its input), the measure of how a protocol's traffic grows with the world size
@@ -25,6 +26,39 @@ def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     if "xccl" in backend and hasattr(torch, "xpu") and torch.xpu.is_available():
         return torch.device("xpu", torch.xpu.current_device())
     return torch.device("cpu")
+
+
+class HostRead:
+    """A small device tensor's values, on their way to the host.
+
+    On CUDA the copy is enqueued at construction (into pinned memory, on the current stream,
+    with an event behind it), and ``wait()`` blocks only until that copy has run: work enqueued
+    after the construction (an optimizer update) keeps running while the host goes on. A plain
+    ``.cpu()`` or ``.tolist()`` at the same later point would wait for that work too. Elsewhere
+    (CPU tensors, other devices) the values are copied at construction.
+
+    Args:
+        tensor: The values to read, as they are at this point of the stream.
+    """
+
+    __slots__ = ("_host", "_event")
+
+    def __init__(self, tensor: torch.Tensor):
+        self._event: Any = None
+        if tensor.device.type == "cuda":
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(tensor.device))
+        else:
+            self._host = tensor.detach().to("cpu", copy=True)
+
+    def wait(self) -> torch.Tensor:
+        """The values, as a CPU tensor (the same one at every call)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._host
 
 
 def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:

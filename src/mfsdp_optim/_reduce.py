@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from . import _fused
 from ._buckets import Buckets
-from ._comm import _all_gather_flat, collective_device
+from ._comm import HostRead, _all_gather_flat, collective_device
 from ._stats_math import (
     NONFINITE_SLOT,
     NORM_SLOT,
@@ -45,6 +45,8 @@ __all__ = [
     "RankFailedError",
     "StatsArgumentMismatchError",
     "reduce_buckets",
+    "reduce_buckets_deferred",
+    "reduce_buckets_read",
     "require_member",
 ]
 
@@ -116,17 +118,36 @@ def reduce_buckets(
     others cannot know without a host read, so they get ``total_norm=NaN`` and
     ``found_inf=True`` on the device (a grad scaler then skips the step on every rank).
     """
+    if host_sync:
+        return reduce_buckets_read(
+            buckets, norm_type=norm_type, count_zeros=count_zeros, group=group
+        )[0]
+    require_member(group)
+    device = collective_device(group)
+    rows, failure, p, _ = _gather_rows(buckets, norm_type, count_zeros, group, device)
+    if failure is not None:
+        raise failure
+    return _device_verdict(rows, p, bool(count_zeros))
+
+
+def reduce_buckets_read(
+    buckets: Buckets | BaseException,
+    *,
+    norm_type: float,
+    count_zeros: bool,
+    group: dist.ProcessGroup | None,
+) -> tuple[GradStats, list[float]]:
+    """``reduce_buckets(host_sync=True)``, and the statistics on the host from the same single
+    read: ``[found_inf, total_norm]`` (+ ``[num_zeros]`` with ``count_zeros``) as floats."""
     require_member(group)
     device = collective_device(group)
     rows, failure, p, world = _gather_rows(
-        buckets, norm_type, count_zeros, group, device, host_reads=host_sync
+        buckets, norm_type, count_zeros, group, device, host_reads=True
     )
-    if not host_sync:
-        if failure is not None:
-            raise failure
-        return _device_verdict(rows, p, bool(count_zeros))
-    _verdict_on_host(rows, failure, group, device, world)
-    return _finish(rows, p, bool(count_zeros))
+    stats, read = _start_read(rows, failure, p, bool(count_zeros))
+    values = _verdict_on_host(read, failure, group, device, world)
+    assert stats is not None  # a failure raised in the verdict
+    return stats, values
 
 
 def reduce_buckets_deferred(
@@ -135,13 +156,15 @@ def reduce_buckets_deferred(
     norm_type: float,
     count_zeros: bool,
     group: dist.ProcessGroup | None,
-) -> tuple[GradStats, torch.Tensor, Callable[[], None]]:
-    """``reduce_buckets()`` with its host-side verdict postponed: ``(stats, bad, verdict)``.
+) -> tuple[GradStats, torch.Tensor, Callable[[], list[float]]]:
+    """``reduce_buckets_read()`` with its host-side verdict postponed: ``(stats, bad, verdict)``.
 
     ``stats`` and ``bad`` (a 0-d bool tensor: some rank failed or ranks disagree) stay on the
     device; ``verdict()`` later does what ``reduce_buckets`` does right after the collective
-    (the host read, the message gather when some rank failed, the raise), so a caller can
-    enqueue device work that ``bad`` gates (the wrapper's fused update) before the host waits.
+    (the message gather when some rank failed, the raise) and returns the host values of
+    ``reduce_buckets_read``, so a caller can enqueue device work that ``bad`` gates (the
+    wrapper's fused update) before the host waits. The host copy is enqueued here, before that
+    work (``_comm.HostRead``): ``verdict()`` waits for the statistics, not for the update.
     A rank whose own input failed gets a ``verdict`` that raises at once; it must still call it
     at the same point as its peers, which issue the message gather there.
     """
@@ -149,17 +172,17 @@ def reduce_buckets_deferred(
     device = collective_device(group)
     stats_rows = _gather_rows(buckets, norm_type, count_zeros, group, device, host_reads=True)
     rows, failure, p, world = stats_rows
-    if failure is not None:
+    stats, read = _start_read(rows, failure, p, bool(count_zeros))
+    if stats is None:
         return (
             GradStats(torch.full((), torch.nan), None, torch.ones((), dtype=torch.bool)),
             torch.ones((), dtype=torch.bool),
-            lambda: _verdict_on_host(rows, failure, group, device, world),
+            lambda: _verdict_on_host(read, failure, group, device, world),
         )
-    stats = _finish(rows, p, bool(count_zeros))
     return (
         stats,
         _bad(rows, p, bool(count_zeros)),
-        lambda: _verdict_on_host(rows, None, group, device, world),
+        lambda: _verdict_on_host(read, None, group, device, world),
     )
 
 
@@ -206,15 +229,34 @@ def _gather_rows(
     return rows, failure, p, world
 
 
+def _start_read(
+    rows: torch.Tensor, failure: BaseException | None, p: float, count_zeros: bool
+) -> tuple[GradStats | None, HostRead]:
+    """The statistics (None when this rank failed) and ONE host copy, started now, of every
+    rank's flags followed by ``[found_inf, total_norm(, num_zeros)]`` in float64."""
+    flags = rows[:, _FAILED:].reshape(-1)
+    if failure is not None:
+        return None, HostRead(flags)
+    stats = _finish(rows, p, count_zeros)
+    values = [stats.found_inf, stats.total_norm]
+    if stats.num_zeros is not None:
+        values.append(stats.num_zeros)
+    packed = torch.cat([flags, torch.stack([v.to(torch.float64) for v in values])])
+    return stats, HostRead(packed)
+
+
 def _verdict_on_host(
-    rows: torch.Tensor,
+    read: HostRead,
     failure: BaseException | None,
     group: dist.ProcessGroup | None,
     device: torch.device,
     world: int,
-) -> None:
-    """Read every rank's flags (4 numbers per rank); raise on every rank if any failed."""
-    peers = rows[:, _FAILED:].cpu()
+) -> list[float]:
+    """Wait for ``read`` (``_start_read``) and check every rank's flags (4 numbers per rank);
+    raise on every rank if any failed. Returns the statistics' host values."""
+    host = read.wait()
+    width = _ROW - _FAILED
+    peers = host[: world * width].view(world, width)
     _check_magic(peers, world)
     failed = [r for r in range(world) if peers[r, 0] != 0]
     if failed:
@@ -223,6 +265,7 @@ def _verdict_on_host(
             raise failure
         raise _peer_failure(failed, messages, world)
     _check_same_arguments(peers, world)
+    return host[world * width :].tolist()
 
 
 def _finish(rows: torch.Tensor, p: float, count_zeros: bool) -> GradStats:

@@ -35,7 +35,7 @@ from ._fast_step import FastAdamStep
 from ._hyper import check_param_groups
 from ._params import ParamRecord
 from ._prepare import Preparer
-from ._reduce import GradStats, reduce_buckets, reduce_buckets_deferred
+from ._reduce import GradStats, reduce_buckets, reduce_buckets_deferred, reduce_buckets_read
 from ._slots import SlotTable
 from ._triton_adam import TritonAdam
 from .grad_scaler import GradScaler
@@ -127,7 +127,9 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         self._fast_token: object | None = None  # the fast cache this step's grads were put in
         self._route = Route(False, False)
         # (bad, verdict) of a deferred stats verdict (see _prepare), for the step in progress
-        self._deferred: tuple[torch.Tensor, Callable[[], None]] | None = None
+        self._deferred: tuple[torch.Tensor, Callable[[], list[float]]] | None = None
+        # the stats' host values read with the collective's verdict (host_sync=True)
+        self._stats_host: list[float] | None = None
         self._triton = TritonAdam() if self.config.triton_adam_step else None
         self.last_update_successful: bool | None = None
         self.fast_steps = 0  # steps that took the fast path (for tests and diagnostics)
@@ -214,13 +216,15 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
                 torch.zeros((), dtype=torch.int64) if count_zeros else None,
                 torch.zeros((), dtype=torch.bool),
             )
-        return reduce_buckets(
-            buckets,
+        kwargs: dict[str, Any] = dict(
             norm_type=self.config.norm_type,
             count_zeros=count_zeros,
             group=self.config.grad_stats_group,
-            host_sync=self.config.host_sync,
         )
+        if not self.config.host_sync:
+            return reduce_buckets(buckets, host_sync=False, **kwargs)
+        stats, self._stats_host = reduce_buckets_read(buckets, **kwargs)
+        return stats
 
     def _stats_of_current(self, count_zeros: bool) -> GradStats:
         buckets: Buckets | Exception
@@ -277,6 +281,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         except Exception as exc:  # joins the collective, so no rank waits, then raises
             buckets = exc
         self._deferred = None
+        self._stats_host = None
         try:
             if (
                 defer
@@ -352,7 +357,9 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
             found_inf: whether any grad on any rank holds a NaN or an inf, the same on every
                 rank of the grad-stats group.
         """
-        return bool(self._prepare().found_inf)
+        stats = self._prepare()
+        host = self._stats_host  # read with the collective's verdict, where it was
+        return bool(stats.found_inf if host is None else host[0])
 
     def step_with_ready_grads(self) -> bool:
         """The base optimizer step on prepared grads (no clipping); restores grad dtypes.
@@ -473,7 +480,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         # without a scaler the host waits only after the update is enqueued (see _prepare)
         stats = self._prepare(defer=on_host and scaler is None)
         deferred = self._deferred
-        result = _StepResult(stats)
+        result = _StepResult(stats, self._stats_host)
         device_skip = None
         if scaler is not None:
             if not on_host and self._skips_on_device():
@@ -503,7 +510,9 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         finally:
             self._stage = Stage.STEPPED
         if deferred is not None:
-            deferred[1]()  # the collective's verdict: raises on every rank if one failed
+            # the collective's verdict (raises on every rank if one failed) and the values: it
+            # waits for the stats' host copy, enqueued before the update, not for the update
+            result.host = deferred[1]()
         if device_skip is not None:
             self.last_update_successful = None  # decided on the device: see step()'s result
             return ~device_skip, stats.total_norm, stats.num_zeros
@@ -670,16 +679,17 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
 class _StepResult:
     """``step()``'s return values from the stats, read on the host at most once."""
 
-    def __init__(self, stats: GradStats):
+    def __init__(self, stats: GradStats, host: list[float] | None = None):
         self.stats = stats
-        self._host: list[float] | None = None
+        # [found_inf, norm(, zeros)] as read with the collective's verdict (_reduce), if it was
+        self.host = host
 
     def _read(self) -> list[float]:
-        if self._host is None:  # found_inf, norm and zeros in a single transfer
+        if self.host is None:  # found_inf, norm and zeros in a single transfer
             s = self.stats
             values = [s.found_inf, s.total_norm] + ([] if s.num_zeros is None else [s.num_zeros])
-            self._host = torch.stack([t.to(torch.float64) for t in values]).tolist()
-        return self._host
+            self.host = torch.stack([t.to(torch.float64) for t in values]).tolist()
+        return self.host
 
     def found_inf(self) -> bool:
         return bool(self._read()[0])
