@@ -200,7 +200,7 @@ def _profile(fn, label: str, device: torch.device) -> None:
     prof.disable()
     sync()
     print(f"--- host profile, 5 calls, {label} (tottime) ---")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(28)
 
 
 def _check_cost(tensors) -> None:
