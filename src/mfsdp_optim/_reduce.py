@@ -44,6 +44,7 @@ __all__ = [
     "GradStats",
     "RankFailedError",
     "StatsArgumentMismatchError",
+    "packed_values",
     "reduce_buckets",
     "reduce_buckets_deferred",
     "reduce_buckets_read",
@@ -238,11 +239,16 @@ def _start_read(
     if failure is not None:
         return None, HostRead(flags)
     stats = _finish(rows, p, count_zeros)
+    return stats, HostRead(torch.cat([flags, packed_values(stats)]))
+
+
+def packed_values(stats: GradStats) -> torch.Tensor:
+    """``[found_inf, total_norm(, num_zeros)]`` as one float64 vector on the stats' device: the
+    layout of every host read of the statistics (``reduce_buckets_read``'s values)."""
     values = [stats.found_inf, stats.total_norm]
     if stats.num_zeros is not None:
         values.append(stats.num_zeros)
-    packed = torch.cat([flags, torch.stack([v.to(torch.float64) for v in values])])
-    return stats, HostRead(packed)
+    return torch.stack([v.to(torch.float64) for v in values])
 
 
 def _verdict_on_host(

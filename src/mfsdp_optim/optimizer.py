@@ -35,7 +35,13 @@ from ._fast_step import FastAdamStep
 from ._hyper import check_param_groups
 from ._params import ParamRecord
 from ._prepare import Preparer
-from ._reduce import GradStats, reduce_buckets, reduce_buckets_deferred, reduce_buckets_read
+from ._reduce import (
+    GradStats,
+    packed_values,
+    reduce_buckets,
+    reduce_buckets_deferred,
+    reduce_buckets_read,
+)
 from ._slots import SlotTable
 from ._triton_adam import TritonAdam
 from .grad_scaler import GradScaler
@@ -686,9 +692,7 @@ class _StepResult:
 
     def _read(self) -> list[float]:
         if self.host is None:  # found_inf, norm and zeros in a single transfer
-            s = self.stats
-            values = [s.found_inf, s.total_norm] + ([] if s.num_zeros is None else [s.num_zeros])
-            self.host = torch.stack([t.to(torch.float64) for t in values]).tolist()
+            self.host = packed_values(self.stats).tolist()
         return self.host
 
     def found_inf(self) -> bool:
