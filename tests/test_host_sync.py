@@ -11,6 +11,8 @@ bit for bit. Host reads (``item``, ``tolist``, ``__bool__``, ``__float__``, ``__
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -153,26 +155,37 @@ def test_host_sync_false_without_scaler_reads_nothing(ranks):
         assert norm == pytest.approx(2.0 * (24**0.5))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_host_sync_false_never_syncs_on_cuda(tmp_path):
-    """World size 1 on NCCL: steady steps of fused AdamW with clipping and a dynamic scaler run
-    under ``torch.cuda.set_sync_debug_mode("error")``, overflowing steps included."""
+@contextmanager
+def _cuda_world_of_one(tmp_path):
+    """A one-rank NCCL world (destroyed on exit) and its 1-D mesh, with one ``Shard(0)`` DTensor
+    param per ``SHAPES`` entry: yields ``(mesh, params)``."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    from mfsdp_optim import DynamicGradScaler, FullyShardedOptimizer, OptimizerConfig
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("nccl", store=store, rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cuda", (1,))
-        params = [
-            torch.nn.Parameter(
-                DTensor.from_local(torch.randn(s, device="cuda"), mesh, [Shard(0)], run_check=False)
-            )
-            for s in SHAPES
-        ]
+        params = [torch.nn.Parameter(_on_mesh(torch.randn(s, device="cuda"), mesh)) for s in SHAPES]
+        yield mesh, params
+    finally:
+        dist.destroy_process_group()
+
+
+def _on_mesh(local, mesh):
+    """``local`` as this rank's ``Shard(0)`` piece of a DTensor on ``mesh``."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_host_sync_false_never_syncs_on_cuda(tmp_path):
+    """World size 1 on NCCL: steady steps of fused AdamW with clipping and a dynamic scaler run
+    under ``torch.cuda.set_sync_debug_mode("error")``, overflowing steps included."""
+    from mfsdp_optim import DynamicGradScaler, FullyShardedOptimizer, OptimizerConfig
+
+    with _cuda_world_of_one(tmp_path) as (mesh, params):
         opt = FullyShardedOptimizer(
             torch.optim.AdamW(params, lr=0.01, fused=True),
             OptimizerConfig(clip_grad=0.5, host_sync=False),
@@ -184,7 +197,7 @@ def test_host_sync_false_never_syncs_on_cuda(tmp_path):
                 g = torch.randn(p.shape, device="cuda")
                 if step == 3:
                     g.view(-1)[0] = float("inf")
-                p.grad = DTensor.from_local(g, mesh, [Shard(0)], run_check=False)
+                p.grad = _on_mesh(g, mesh)
             if step == 0:  # the first step creates the state (it reads found_inf once)
                 opt.step()
             else:
@@ -197,8 +210,6 @@ def test_host_sync_false_never_syncs_on_cuda(tmp_path):
         oks = [bool(r[0]) for r in results]
         assert oks == [True, True, False, True, True], oks
         assert opt.fast_steps == 5
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -212,25 +223,12 @@ def test_host_sync_true_returns_before_the_update_finishes(tmp_path, variant):
     skip decision read before the update). Two steps run undelayed first: the first creates
     the state, and first uses compile the Triton kernel and load CUDA modules, which may wait
     for the device (once per process, not per step)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-
     from mfsdp_optim import DynamicGradScaler, FullyShardedOptimizer, OptimizerConfig
     from mfsdp_optim._triton_adam import TritonAdam
 
     if variant == "triton" and not TritonAdam.available():
         pytest.skip("needs Triton")
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cuda", (1,))
-        params = [
-            torch.nn.Parameter(
-                DTensor.from_local(torch.randn(s, device="cuda"), mesh, [Shard(0)], run_check=False)
-            )
-            for s in SHAPES
-        ]
+    with _cuda_world_of_one(tmp_path) as (mesh, params):
         opt = FullyShardedOptimizer(
             torch.optim.AdamW(params, lr=0.01, fused=True),
             OptimizerConfig(clip_grad=0.5, triton_adam_step=variant == "triton"),
@@ -245,7 +243,7 @@ def test_host_sync_true_returns_before_the_update_finishes(tmp_path, variant):
         for step in range(4):
             grads = [torch.randn(p.shape, device="cuda") for p in params]
             for p, g in zip(params, grads):
-                p.grad = DTensor.from_local(g, mesh, [Shard(0)], run_check=False)
+                p.grad = _on_mesh(g, mesh)
             want = torch.cat([g.double().flatten() for g in grads]).norm().item()
             before = params[0]._local_tensor.clone()
             torch.cuda.synchronize()
@@ -262,8 +260,6 @@ def test_host_sync_true_returns_before_the_update_finishes(tmp_path, variant):
                 assert opt.fast_steps == step
             assert not torch.equal(before, params[0]._local_tensor)  # the update ran
             opt.zero_grad()
-    finally:
-        dist.destroy_process_group()
 
 
 def _rank_deferred_verdict():
