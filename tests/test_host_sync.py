@@ -180,15 +180,21 @@ def _on_mesh(local, mesh):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_host_sync_false_never_syncs_on_cuda(tmp_path):
+@pytest.mark.parametrize("variant", ["fused", "triton"])
+def test_host_sync_false_never_syncs_on_cuda(tmp_path, variant):
     """World size 1 on NCCL: steady steps of fused AdamW with clipping and a dynamic scaler run
-    under ``torch.cuda.set_sync_debug_mode("error")``, overflowing steps included."""
+    under ``torch.cuda.set_sync_debug_mode("error")``, overflowing steps included; with the
+    Triton update too (it reads ``found_inf`` on the device)."""
     from mfsdp_optim import DynamicGradScaler, FullyShardedOptimizer, OptimizerConfig
+    from mfsdp_optim._triton_adam import TritonAdam
 
+    triton = variant == "triton"
+    if triton and not TritonAdam.available():
+        pytest.skip("needs Triton")
     with _cuda_world_of_one(tmp_path) as (mesh, params):
         opt = FullyShardedOptimizer(
             torch.optim.AdamW(params, lr=0.01, fused=True),
-            OptimizerConfig(clip_grad=0.5, host_sync=False),
+            OptimizerConfig(clip_grad=0.5, host_sync=False, triton_adam_step=triton),
             grad_scaler=DynamicGradScaler(2.0**10, growth_interval=2, hysteresis=1),
         )
         results = []
@@ -210,6 +216,8 @@ def test_host_sync_false_never_syncs_on_cuda(tmp_path):
         oks = [bool(r[0]) for r in results]
         assert oks == [True, True, False, True, True], oks
         assert opt.fast_steps == 5
+        if triton:  # every fast step took the Triton update, the skipped one included
+            assert opt._triton.launches == 5
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -219,8 +227,9 @@ def test_host_sync_true_returns_before_the_update_finishes(tmp_path, variant):
     waits only for them, not for the update enqueued after them. A spin kernel delays the
     update by about 0.1 s; when ``step()`` returns, the stream must still be busy, and the
     returned norm must be the brute-force one. Variants: the deferred verdict of the fused
-    fast path (``fused``), the Triton update (verdict before the update), a grad scaler (the
-    skip decision read before the update). Two steps run undelayed first: the first creates
+    fast path (``fused``), the same with the Triton update (``triton``: it reads the verdict's
+    device-side gate as torch's kernel reads found_inf), a grad scaler (the skip decision read
+    before the update). Two steps run undelayed first: the first creates
     the state, and first uses compile the Triton kernel and load CUDA modules, which may wait
     for the device (once per process, not per step)."""
     from mfsdp_optim import DynamicGradScaler, FullyShardedOptimizer, OptimizerConfig

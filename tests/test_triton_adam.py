@@ -157,6 +157,30 @@ def test_matches_torch_fused(dtype, adamw, maximize, wd, with_divisor):
 
 
 @cuda
+@pytest.mark.parametrize("shapes", [SHAPES, [(0, 8), (0,)]], ids=["tensors", "all-empty"])
+def test_found_inf_gates_the_update(shapes):
+    """``found_inf`` = 1 (read by the kernel, as torch's): params, moments and step counters
+    stay bit for bit; = 0: bit for bit what the call without it does. Also on a rank whose
+    shards are all empty (only the counters move)."""
+    from mfsdp_optim._triton_adam import TritonAdam
+
+    tri = TritonAdam()
+    group = _group(True, False, 0.1)
+    lists = _lists(torch.float32, 2, shapes)
+    twin = [_clone(xs) for xs in lists]
+    before = [_clone(xs) for xs in lists]
+    divisor = torch.tensor(2.0, device="cuda")
+    assert tri.step(group, *lists, divisor, found_inf=torch.ones((), device="cuda"))
+    for name, xs, was in zip(("param", "grad", "exp_avg", "exp_avg_sq", "step"), lists, before):
+        assert all(map(torch.equal, xs, was)), f"{name} changed by a skipped update"
+    assert tri.step(group, *lists, divisor, found_inf=torch.zeros((), device="cuda"))
+    assert tri.step(group, *twin, divisor)
+    for name, xs, ys in zip(("param", "grad", "exp_avg", "exp_avg_sq", "step"), lists, twin):
+        assert all(map(torch.equal, xs, ys)), f"{name}: found_inf=0 differs from no gate"
+    assert all(float(s) == float(b) + 1 for s, b in zip(lists[4], before[4]))
+
+
+@cuda
 def test_misaligned_and_many_tensors():
     from mfsdp_optim._triton_adam import TritonAdam
 

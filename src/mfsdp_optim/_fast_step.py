@@ -35,7 +35,21 @@ from torch.optim.adam import adam as _functional_adam
 
 from ._slots import Slot, SlotTable
 
-__all__ = ["FastAdamStep", "group_eligible"]
+__all__ = ["FastAdamStep", "advance_steps", "group_eligible"]
+
+
+def advance_steps(steps: list[torch.Tensor], found_inf: torch.Tensor | None) -> None:
+    """Add 1 to every step counter, or ``1 - found_inf`` (a float32 0/1 tensor on their device:
+    a skipped update leaves them where they were).
+
+    One multi-tensor launch where torch's ``_fused_adam`` adds 1 and then subtracts found_inf
+    (two). The list overload, as in torch's own subtraction: a lone 0-d tensor there binds to
+    the Scalar overload and is read on the host (a sync, seen on the H200 under
+    ``set_sync_debug_mode("error")``)."""
+    if found_inf is None:
+        torch._foreach_add_(steps, 1)
+    else:
+        torch._foreach_add_(steps, [1.0 - found_inf] * len(steps))
 
 
 def group_eligible(group: dict[str, Any]) -> bool:
@@ -294,35 +308,24 @@ class FastAdamStep:
                 beta2 = beta2.squeeze()
             if torch.is_tensor(lr) and str(lr.device) != "cpu" and lr.device != device:
                 lr = lr.to(device=device, non_blocking=True)
-            if (
-                found_inf is None
-                and triton is not None
-                and triton.step(
-                    group,
-                    params,
-                    grads,
-                    exp_avgs,
-                    exp_avg_sqs,
-                    steps,
-                    grad_scale,
-                    holder,
-                    grad_dtype,
-                )
+            if found_inf is not None:
+                found_inf = found_inf.to(device, non_blocking=True)
+            if triton is not None and triton.step(
+                group,
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                steps,
+                grad_scale,
+                holder,
+                grad_dtype,
+                found_inf,
             ):
                 return
             if grad_scale is not None:
                 grad_scale = grad_scale.to(device, non_blocking=True)
-            if found_inf is not None:
-                found_inf = found_inf.to(device, non_blocking=True)
-                # a skipped update leaves the counters where they were: add 1 - found_inf
-                # (exactly 1.0 or 0.0), one multi-tensor launch where torch's _fused_adam adds
-                # 1 and then subtracts found_inf (two). The list overload, as in torch's own
-                # subtraction: a lone 0-d tensor there binds to the Scalar overload and is read
-                # on the host (a sync, seen on the H200 under set_sync_debug_mode("error")).
-                addend = 1.0 - found_inf
-                torch._foreach_add_(steps, [addend] * len(steps))
-            else:
-                torch._foreach_add_(steps, 1)
+            advance_steps(steps, found_inf)
             func = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
             func(
                 params,

@@ -15,7 +15,10 @@ well-conditioned and to a few hundred where it is not (second moments near ``eps
 a float64 evaluation this kernel is at least as accurate as torch's (``tests/
 test_triton_adam.py``). Step counters are incremented by the kernel itself (the last program to
 finish adds 1 to every counter; every program computes with ``step + 1``), so there is no
-separate ``_foreach_add_`` launch.
+separate ``_foreach_add_`` launch. It reads ``found_inf`` from device memory as torch's kernel
+does (a skipped update touches nothing and leaves the counters), so the wrapper's device-side
+skips and its deferred rank verdict (``_reduce.reduce_buckets_deferred``) gate it without a host
+read.
 
 Layout: one int64 table per launch (``AdamTable``): element offsets of params, exp_avg,
 exp_avg_sq and grads from the first tensor of each list, numels, cumulative ``BLOCK``-item
@@ -55,6 +58,7 @@ from typing import Any
 import torch
 
 from ._arg_table import DeviceTable, addresses, check_all_lists, same_addresses
+from ._fast_step import advance_steps
 from ._fused import _device_helpers, _element_offsets, _sm_count_of
 
 __all__ = ["AdamTable", "TritonAdam"]
@@ -118,8 +122,10 @@ def _build() -> Any:
         items_per_prog,
         num_progs,
         divisor_ptr,
+        gate_ptr,
         ticket_ptr,
         HAS_DIVISOR: tl.constexpr,
+        HAS_GATE: tl.constexpr,
         ADAMW: tl.constexpr,
         MAXIMIZE: tl.constexpr,
         BLOCK: tl.constexpr,
@@ -129,6 +135,12 @@ def _build() -> Any:
         pid = tl.program_id(0)
         begin = pid.to(tl.int64) * items_per_prog
         end = tl.minimum(begin + items_per_prog, total_items)
+        if HAS_GATE:  # found_inf: a skipped update touches nothing and leaves the counters
+            skipped = tl.load(gate_ptr) != 0.0
+            end = tl.where(skipped, begin, end)
+            advance = tl.where(skipped, 0.0, 1.0)
+        else:
+            advance = 1.0
         # table: [p offs | m offs | v offs | step index | numel | cum items (n + 1)]
         poffs = table_ptr
         moffs = table_ptr + n
@@ -205,7 +217,8 @@ def _build() -> Any:
             tl.store(m_base + mo + lanes, m.to(m_base.dtype.element_ty), mask=mask)
             tl.store(v_base + vo + lanes, v.to(v_base.dtype.element_ty), mask=mask)
 
-        # the last program to finish advances every step counter (nobody reads them after it)
+        # the last program to finish advances every step counter (nobody reads them after it),
+        # by 0 where found_inf skipped the update
         tl.debug_barrier()
         ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
         if ticket == num_progs - 1:
@@ -214,7 +227,7 @@ def _build() -> Any:
                 mk = (s0 + r) < n_steps
                 so = tl.load(soffs_ptr + s0 + r, mask=mk, other=0)
                 cur = tl.load(s_base + so, mask=mk, other=0.0, cache_modifier=".cg")
-                tl.store(s_base + so, cur + 1.0, mask=mk)
+                tl.store(s_base + so, cur + advance, mask=mk)
             tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
 
     globals().update(tl=tl, libdevice=libdevice, first_tensor=first_tensor)
@@ -431,13 +444,16 @@ class TritonAdam:
         divisor: torch.Tensor | None,
         holder: Any = None,
         grad_dtype: torch.dtype | None = None,
+        found_inf: torch.Tensor | None = None,
     ) -> bool:
         """``_fused_adam(w)_`` for one group with the grads divided by ``divisor`` inside the
         update; False (nothing done) when the kernel does not apply.
 
         ``holder``: an object with a ``triton_table`` attribute that lives exactly as long as
         these very lists (the fast step's ``_GroupCache``); the table is kept there.
-        ``grad_dtype``: the caller's word that every grad has this dtype (else checked)."""
+        ``grad_dtype``: the caller's word that every grad has this dtype (else checked).
+        ``found_inf``: a float32 0/1 tensor on the params' device, read by the kernel: where it
+        is 1 the update is skipped and the step counters stay (torch's ``found_inf``)."""
         kernel = _load()  # None without Triton or numpy
         if (
             kernel is None
@@ -453,9 +469,9 @@ class TritonAdam:
         if tab is None:
             return False
         if tab.n == 0:  # only empty shards: nothing to update but the counters
-            torch._foreach_add_(steps, 1)
+            advance_steps(steps, found_inf)
             return True
-        self._launch(kernel, tab, grads, group, divisor)
+        self._launch(kernel, tab, grads, group, divisor, found_inf)
         return True
 
     def _one_off(
@@ -509,7 +525,15 @@ class TritonAdam:
             tab.refresh_hparams(group)
         return tab
 
-    def _launch(self, kernel: Any, tab: AdamTable, grads: list, group: dict, divisor: Any) -> None:
+    def _launch(
+        self,
+        kernel: Any,
+        tab: AdamTable,
+        grads: list,
+        group: dict,
+        divisor: Any,
+        found_inf: Any = None,
+    ) -> None:
         params, exp_avgs, exp_avg_sqs, steps = tab.lists
         assert tab.table is not None
         first = tab.keep[0]
@@ -548,8 +572,10 @@ class TritonAdam:
                 per_prog,
                 num_progs,
                 divisor if divisor is not None else steps[0],
+                found_inf if found_inf is not None else steps[0],
                 ticket,
                 HAS_DIVISOR=divisor is not None,
+                HAS_GATE=found_inf is not None,
                 ADAMW=bool(group["decoupled_weight_decay"]),
                 MAXIMIZE=bool(group["maximize"]),
                 BLOCK=_BLOCK,

@@ -292,7 +292,6 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
             if (
                 defer
                 and not isinstance(buckets, BaseException)
-                and self._triton is None
                 and self._table.in_stats_group
                 and self._skips_on_device()
             ):
