@@ -267,7 +267,7 @@ def main() -> None:
         default="",
         help="also time the wrapper of another importable copy of the package (e.g. "
         "the previous main, renamed): 'module' or 'module=PATH' (PATH is put "
-        "on sys.path); its row is 'wrap[module]'",
+        "on sys.path); its rows are 'wrap[module]' (and 'wrap+triton[module]')",
     )
     ap.add_argument(
         "--optimizer",
@@ -333,9 +333,11 @@ def main() -> None:
                 stock = torch.optim.AdamW(dparams, **kw)
                 contenders["stock"] = stock.step
             wrappers = {}
+            extras: dict[str, dict] = {}  # the wrapper rows and their config
             for name, extra in (("wrap", {}), ("wrap+triton", {"triton_adam_step": True})):
                 if extra and (mode != "fused" or device.type != "cuda" or args.no_triton):
                     continue
+                extras[name] = extra
                 _, params = _make_shapes(shapes, device, mesh, 2)
                 wrappers[name] = FullyShardedOptimizer(
                     base_opt(params, kw), OptimizerConfig(clip_grad=args.clip, **extra)
@@ -348,11 +350,11 @@ def main() -> None:
                 _, sp = _make_shapes(shapes, device, mesh, 4)
                 stats_grads = [q.grad for q in sp]
                 contenders["grad_stats"] = lambda gs=stats_grads: grad_stats(gs)
-            if other is not None:
+            for name, extra in list(extras.items()) if other is not None else ():
                 _, params = _make_shapes(shapes, device, mesh, 2)
-                name = f"wrap[{other.__name__}]"
+                name = f"{name}[{other.__name__}]"
                 wrappers[name] = other.FullyShardedOptimizer(
-                    base_opt(params, kw), other.OptimizerConfig(clip_grad=args.clip)
+                    base_opt(params, kw), other.OptimizerConfig(clip_grad=args.clip, **extra)
                 )
                 contenders[name] = wrappers[name].step
             clip_locals = None
