@@ -7,8 +7,11 @@ shape sets: 3000 x (512 x 256) and 300 x (4096 x 1024). For each it times
   (b) stock:   the same torch optimizer stepping the DTensor params (what FSDP2 users get),
   (c) wrap:    FullyShardedOptimizer.step() on the DTensor params: grad_stats (one collective),
                clip (--clip, default 1.0: clipping acts), the base step and the return values,
-  (d) wrap+triton: the same with OptimizerConfig(triton_adam_step=True) (fused mode, CUDA only;
-               its launch table is kept between steps, the note counts launches and builds),
+               On CUDA in fused mode the default steps through the package's Triton kernel
+               (OptimizerConfig(triton_adam_step=True): its launch table is kept between
+               steps, the note counts launches and builds),
+  (d) wrap-torch: the same with OptimizerConfig(triton_adam_step=False), torch's fused kernel
+               (fused mode, CUDA only: elsewhere it is the default),
   (e) grad_stats (``--grad-stats``): ``mfsdp_optim.stats.grad_stats`` alone on the same kind of
                grads, against its own floor (every grad read once: 4 bytes per element),
 
@@ -59,6 +62,7 @@ from _compare import import_other
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+_TORCH_KERNEL = {"triton_adam_step": False}  # torch's fused kernel: bit-identical to stock
 SHAPE_SETS = {"3000x512x256": (3000, (512, 256)), "300x4096x1024": (300, (4096, 1024))}
 
 
@@ -201,6 +205,8 @@ def _profile(fn, label: str, device: torch.device) -> None:
     sync()
     print(f"--- host profile, 5 calls, {label} (tottime) ---")
     pstats.Stats(prof).sort_stats("tottime").print_stats(28)
+    print(f"--- host profile, 5 calls, {label} (cumulative, this package) ---")
+    pstats.Stats(prof).sort_stats("cumulative").print_stats("mfsdp_optim", 24)
 
 
 def _check_cost(tensors) -> None:
@@ -231,7 +237,7 @@ def main() -> None:
     ap.add_argument("--count-scale", type=float, default=1.0, help="param count multiplier")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--no-triton", action="store_true", help="skip the triton_adam_step row")
+    ap.add_argument("--no-triton", action="store_true", help="the wrapper rows use torch's kernel (triton_adam_step=False), no wrap-torch row")
     ap.add_argument("--sets", default=",".join(SHAPE_SETS))
     ap.add_argument(
         "--model",
@@ -267,7 +273,7 @@ def main() -> None:
         default="",
         help="also time the wrapper of another importable copy of the package (e.g. "
         "the previous main, renamed): 'module' or 'module=PATH' (PATH is put "
-        "on sys.path); its rows are 'wrap[module]' (and 'wrap+triton[module]')",
+        "on sys.path); its rows are 'wrap[module]' (and 'wrap-torch[module]')",
     )
     ap.add_argument(
         "--optimizer",
@@ -333,11 +339,13 @@ def main() -> None:
                 stock = torch.optim.AdamW(dparams, **kw)
                 contenders["stock"] = stock.step
             wrappers = {}
-            extras: dict[str, dict] = {}  # the wrapper rows and their config
-            for name, extra in (("wrap", {}), ("wrap+triton", {"triton_adam_step": True})):
-                if extra and (mode != "fused" or device.type != "cuda" or args.no_triton):
-                    continue
-                extras[name] = extra
+            # the wrapper rows and their config: the default (the Triton update for fused
+            # groups on CUDA) and, where that differs, torch's kernel (the bit-exact path)
+            triton_row = mode == "fused" and device.type == "cuda" and not args.no_triton
+            extras: dict[str, dict] = {"wrap": {} if not args.no_triton else _TORCH_KERNEL}
+            if triton_row:
+                extras["wrap-torch"] = _TORCH_KERNEL
+            for name, extra in extras.items():
                 _, params = _make_shapes(shapes, device, mesh, 2)
                 wrappers[name] = FullyShardedOptimizer(
                     base_opt(params, kw), OptimizerConfig(clip_grad=args.clip, **extra)
@@ -352,6 +360,8 @@ def main() -> None:
                 contenders["grad_stats"] = lambda gs=stats_grads: grad_stats(gs)
             for name, extra in list(extras.items()) if other is not None else ():
                 _, params = _make_shapes(shapes, device, mesh, 2)
+                if name == "wrap" and triton_row:  # the same kernel as this default, by name
+                    extra = {"triton_adam_step": True}
                 name = f"{name}[{other.__name__}]"
                 wrappers[name] = other.FullyShardedOptimizer(
                     base_opt(params, kw), other.OptimizerConfig(clip_grad=args.clip, **extra)
@@ -380,7 +390,7 @@ def main() -> None:
                 f"{k}: {w.fast_steps} fast steps, {w.clip_folds} clip folds"
                 + (
                     f", {w._triton.launches} triton launches, {w._triton.builds} table builds"
-                    if getattr(w, "_triton", None)
+                    if getattr(w, "_triton", None) and w._triton.launches
                     else ""
                 )
                 for k, w in wrappers.items()

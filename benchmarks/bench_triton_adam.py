@@ -1,4 +1,4 @@
-"""The opt-in Triton Adam/AdamW kernel (``mfsdp_optim._triton_adam``) against torch's fused
+"""The Triton Adam/AdamW kernel (``mfsdp_optim._triton_adam``) against torch's fused
 kernel, on one CUDA device, fp32, AdamW: one call of each per round, order rotating, median.
 
   torch:        torch._foreach_add_(steps, 1) + torch._fused_adamw_ (the bare fused step's work)

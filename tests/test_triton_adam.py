@@ -1,4 +1,4 @@
-"""The opt-in Triton Adam/AdamW step (``OptimizerConfig(triton_adam_step=True)``), on CUDA.
+"""The Triton Adam/AdamW step (``OptimizerConfig(triton_adam_step=True)``, the default), on CUDA.
 
 References: torch's own fused kernel (``torch._fused_adam_``/``_fused_adamw_``) on copies of the
 same tensors, with the same clip divisor passed as its ``grad_scale``, and an independent float64
@@ -253,9 +253,10 @@ def _rank_wrapper(triton: bool):
         _triton_adam._MIN_MEAN_NUMEL = old_min
 
 
-def _wrapper_pair(shapes, triton: bool):
+def _wrapper_pair(shapes, triton: bool | None):
     """(mesh, DTensor params, plain reference params, wrapper over fused AdamW, reference
-    fused AdamW) on one CUDA rank, from the same seeded values."""
+    fused AdamW) on one CUDA rank, from the same seeded values; ``triton`` None: the default
+    config."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -270,8 +271,9 @@ def _wrapper_pair(shapes, triton: bool):
     ]
     ref = [torch.nn.Parameter(t.clone()) for t in init]
     kw = dict(lr=1e-2, weight_decay=0.1, fused=True)
+    flag = {} if triton is None else {"triton_adam_step": triton}
     opt = FullyShardedOptimizer(
-        torch.optim.AdamW(params, **kw), OptimizerConfig(clip_grad=0.5, triton_adam_step=triton)
+        torch.optim.AdamW(params, **kw), OptimizerConfig(clip_grad=0.5, **flag)
     )
     return mesh, params, ref, opt, torch.optim.AdamW(ref, **kw)
 
@@ -293,11 +295,11 @@ def _clipped_step_both(mesh, shapes, step, params, ref, opt, ref_opt):
     return grads
 
 
-def _wrapper_run(triton: bool):
+def _wrapper_run(triton: bool | None):
     mesh, params, ref, opt, ref_opt = _wrapper_pair(SHAPES, triton)
     for step in range(4):
         grads = _clipped_step_both(mesh, SHAPES, step, params, ref, opt, ref_opt)
-        if triton and step > 0:  # the first step creates the state on the generic path
+        if triton is not False and step > 0:  # the first step creates the state on the generic path
             for p, g in zip(params, grads):
                 assert torch.equal(p.grad._local_tensor, g), "grads stay unclipped"
         opt.zero_grad()
@@ -312,11 +314,70 @@ def _wrapper_run(triton: bool):
 
 
 @cuda
-@pytest.mark.parametrize("triton", [True, False], ids=["triton", "torch-kernel"])
+@pytest.mark.parametrize("triton", [True, False, None], ids=["triton", "torch-kernel", "default"])
 def test_wrapper_with_triton_step(ranks, triton):
     ((launches, fast_steps),) = ranks(1).run(_rank_wrapper, triton, timeout=300)
     assert fast_steps == 3
-    assert launches == (3 if triton else 0)
+    assert launches == (0 if triton is False else 3)  # the default is the Triton step
+
+
+class _Unbuildable:
+    """Stands in for a Triton kernel that cannot be compiled on this device."""
+
+    def __getitem__(self, grid):
+        raise RuntimeError("ptxas fatal: unsupported target (stand-in for a failed build)")
+
+
+def _rank_unbuildable():
+    """The default config with a kernel that fails to build, against triton_adam_step=False
+    on the same data: one warning, then torch's kernel, bit for bit."""
+    import warnings
+
+    from mfsdp_optim import _triton_adam
+
+    saved = dict(_triton_adam._state)
+    _triton_adam._state.update(kernel=_Unbuildable(), failed=False)
+    try:
+        runs = {}
+        for name, flag in (("default", None), ("torch-kernel", False)):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                mesh, params, ref, opt, ref_opt = _wrapper_pair(SHAPES, flag)
+                for step in range(4):
+                    _clipped_step_both(mesh, SHAPES, step, params, ref, opt, ref_opt)
+                    opt.zero_grad()
+                    ref_opt.zero_grad()
+            notes = [str(w.message) for w in caught if w.category is RuntimeWarning]
+            state = [
+                {
+                    k: getattr(v, "_local_tensor", v).clone()
+                    for k, v in opt.optimizer.state[p].items()
+                }
+                for p in params
+            ]
+            runs[name] = ([p._local_tensor.clone() for p in params], state, notes)
+            runs[name + " launches"] = opt._triton.launches if opt._triton else 0
+        failed = _triton_adam._state["failed"]
+    finally:
+        _triton_adam._state.clear()
+        _triton_adam._state.update(saved)
+    return runs, failed
+
+
+@cuda
+def test_a_kernel_that_cannot_be_built_falls_back_to_torch(ranks):
+    ((runs, failed),) = ranks(1).run(_rank_unbuildable, timeout=300)
+    (params, state, notes), (ref_params, ref_state, ref_notes) = (
+        runs["default"],
+        runs["torch-kernel"],
+    )
+    assert failed and runs["default launches"] == 0
+    assert len(notes) == 1 and "triton_adam_step=False" in notes[0], notes
+    assert not ref_notes
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    for mine, theirs in zip(state, ref_state):
+        assert mine.keys() == theirs.keys()
+        assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
 
 
 def _rank_cpu(triton: bool):

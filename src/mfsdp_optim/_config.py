@@ -41,12 +41,14 @@ class OptimizerConfig:
             the param's itself, so the wrapper does not cast them. None: detect it (an
             ``mfsdp_precision_aware`` attribute on the optimizer, or Transformer Engine's
             FusedAdam with ``master_weights``/``use_decoupled_grad``).
-        triton_adam_step: Keyword-only. Step ``torch.optim.Adam``/``AdamW`` groups with
-            ``fused=True`` on CUDA through this package's Triton kernel (see
-            ``mfsdp_optim._triton_adam``): the clip is applied inside the update and the grads
-            are not written (28 bytes per fp32 element instead of 32 with clipping). Not
-            bit-identical to torch's kernel (float32 rounding differs; at least as accurate
-            against float64), and the grads keep their unclipped values after the step.
+        triton_adam_step: Keyword-only. True (the default): on CUDA, step ``torch.optim.Adam``/
+            ``AdamW`` groups with ``fused=True`` through this package's Triton kernel (see
+            ``mfsdp_optim._triton_adam``; elsewhere, and where it does not apply, torch's kernel
+            runs): the clip is applied inside the update and the grads are not written (28
+            bytes per fp32 element instead of 32 with clipping). It differs from torch's kernel
+            in two ways: float32 rounding (a few ulps; at least as accurate against float64),
+            and the grads keep their unclipped values after the step. False: torch's own fused
+            kernel, bit-identical to stock torch, with the clipped grads left in place.
         host_sync: Keyword-only. True: ``step()`` returns Python values, which costs one
             device-to-host copy per step. False: it returns 0-d device tensors and never waits
             for the device (see ``docs/concepts.md``).
@@ -59,7 +61,7 @@ class OptimizerConfig:
     _: KW_ONLY
     filter_empty_shards: bool = False
     precision_aware: bool | None = None
-    triton_adam_step: bool = False
+    triton_adam_step: bool = True
     host_sync: bool = True
 
     def __post_init__(self) -> None:

@@ -102,7 +102,7 @@ class _GroupCache:
         # fused kernel can be called directly; None: go through the functional API
         self.device: torch.device | None = None
         self.grads: list[torch.Tensor] = []  # filled by the wrapper's prepare loop
-        # the opt-in Triton step's launch table of these lists (_triton_adam.AdamTable): it
+        # the Triton step's launch table of these lists (_triton_adam.AdamTable): it
         # lives and dies with this cache, so every path that replaces the cache drops it
         self.triton_table: Any = None
 
@@ -260,8 +260,8 @@ class FastAdamStep:
         devices of all the work grads (the direct fused call needs them on the group's);
         ``grad_dtype``: the one dtype of all the work grads, when they have one;
         ``grad_scale``: what ``Adam.step()`` would read from ``optimizer.grad_scale`` (fused
-        groups only; the wrapper's folded clip); ``triton``: the opt-in
-        ``TritonAdam`` for direct fused groups, or None;
+        groups only; the wrapper's folded clip); ``triton``: the
+        ``TritonAdam`` for direct fused groups (``triton_adam_step``), or None;
         ``found_inf``: a float32 0/1 tensor, fused groups only (see ``skips_on_device()``):
         the update is skipped on the device where it is 1."""
         assert self._groups is not None

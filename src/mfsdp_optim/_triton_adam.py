@@ -1,4 +1,5 @@
-"""Opt-in Triton step for fused Adam/AdamW groups (``OptimizerConfig(triton_adam_step=True)``).
+"""Triton step for fused Adam/AdamW groups on CUDA (``OptimizerConfig(triton_adam_step=True)``,
+the default; ``False`` keeps torch's kernel).
 
 Why: with clipping on, torch's fused kernel can only take the clip as its ``grad_scale``, and then
 it stores every divided grad back (4 more bytes per fp32 element on top of the 28 the update
@@ -77,6 +78,24 @@ _REDUCE_BLOCK = 1024
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _state: dict[str, Any] = {"kernel": None, "failed": False}
+
+
+def _give_up(exc: Exception) -> None:
+    """The kernel failed to compile or launch (a Triton, driver or ptxas this package was not
+    tested with): warn once and leave every later step of this process to torch's kernel. A
+    launch that raises has enqueued nothing, so the caller's fallback takes the whole step. No
+    collective is involved, so a rank that falls back alone cannot hang the others; its update
+    then rounds as torch's does (the ranks' params may differ in float32's last bits)."""
+    import warnings
+
+    _state["failed"] = True
+    warnings.warn(
+        f"mfsdp_optim: the Triton Adam/AdamW kernel failed on this device ({type(exc).__name__}: "
+        f"{exc}); torch's fused kernel steps these groups from now on. Pass "
+        "OptimizerConfig(triton_adam_step=False) to use torch's kernel from the start.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def _load() -> Any | None:
@@ -408,7 +427,7 @@ def _grads_ok(grads: list[torch.Tensor], dtype: torch.dtype, vouched: torch.dtyp
 
 
 class TritonAdam:
-    """The opt-in kernel. A call with a ``holder`` (the fast step's per-group cache) keeps its
+    """The kernel's host side. A call with a ``holder`` (the fast step's per-group cache) keeps its
     table there, checks the grads' addresses at each step and re-uploads only what moved
     (``AdamTable``, ``_arg_table``); a call without one builds a table for that call."""
 
@@ -454,13 +473,14 @@ class TritonAdam:
         ``grad_dtype``: the caller's word that every grad has this dtype (else checked).
         ``found_inf``: a float32 0/1 tensor on the params' device, read by the kernel: where it
         is 1 the update is skipped and the step counters stay (torch's ``found_inf``)."""
-        kernel = _load()  # None without Triton or numpy
         if (
-            kernel is None
-            or not self.eligible(group, params)
+            not self.eligible(group, params)  # first: CPU groups never import Triton
             or torch.cuda.is_current_stream_capturing()
             or torch.compiler.is_compiling()
         ):
+            return False
+        kernel = _load()  # None without Triton or numpy
+        if kernel is None:
             return False
         if holder is None:
             tab = self._one_off(group, params, grads, exp_avgs, exp_avg_sqs, steps, grad_dtype)
@@ -471,7 +491,11 @@ class TritonAdam:
         if tab.n == 0:  # only empty shards: nothing to update but the counters
             advance_steps(steps, found_inf)
             return True
-        self._launch(kernel, tab, grads, group, divisor, found_inf)
+        try:
+            self._launch(kernel, tab, grads, group, divisor, found_inf)
+        except Exception as exc:  # noqa: BLE001  (a Triton that cannot build it here)
+            _give_up(exc)
+            return False  # nothing was enqueued: torch's kernel takes this step and the next
         return True
 
     def _one_off(
