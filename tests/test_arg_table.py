@@ -291,7 +291,9 @@ def _rank_fast_step_holder():
     )
     seen = []
 
-    def record(group, params_, grads, m, v, s, divisor, holder=None, grad_dtype=None):
+    def record(
+        group, params_, grads, m, v, s, divisor, holder=None, grad_dtype=None, found_inf=None
+    ):
         seen.append((holder, len(grads), grad_dtype))
         return False  # torch's kernel runs
 
