@@ -94,7 +94,7 @@ def _give_up(exc: Exception) -> None:
         f"{exc}); torch's fused kernel steps these groups from now on. Pass "
         "OptimizerConfig(triton_adam_step=False) to use torch's kernel from the start.",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=5,
     )
 
 
@@ -491,12 +491,7 @@ class TritonAdam:
         if tab.n == 0:  # only empty shards: nothing to update but the counters
             advance_steps(steps, found_inf)
             return True
-        try:
-            self._launch(kernel, tab, grads, group, divisor, found_inf)
-        except Exception as exc:  # noqa: BLE001  (a Triton that cannot build it here)
-            _give_up(exc)
-            return False  # nothing was enqueued: torch's kernel takes this step and the next
-        return True
+        return self._launch(kernel, tab, grads, group, divisor, found_inf)
 
     def _one_off(
         self, group, params, grads, exp_avgs, exp_avg_sqs, steps, grad_dtype
@@ -557,7 +552,9 @@ class TritonAdam:
         group: dict,
         divisor: Any,
         found_inf: Any = None,
-    ) -> None:
+    ) -> bool:
+        """One launch over the table; False when the kernel cannot be built or launched here
+        (``_give_up``: nothing was enqueued, so torch's kernel takes this step and the next)."""
         params, exp_avgs, exp_avg_sqs, steps = tab.lists
         assert tab.table is not None
         first = tab.keep[0]
@@ -579,32 +576,38 @@ class TritonAdam:
         goffs = dev_table[tab.goff_at : tab.goff_at + n]
         soffs = dev_table[tab.goff_at + n : tab.hp_at]
         hparams = dev_table[tab.hp_at :]
+        align = tab.align(p0.element_size())
         with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
-            kernel[(num_progs,)](
-                p0,
-                grads[first],
-                exp_avgs[first],
-                exp_avg_sqs[first],
-                steps[0],
-                dev_table,
-                goffs,
-                soffs,
-                hparams,
-                n,
-                tab.n_steps,
-                total_items,
-                per_prog,
-                num_progs,
-                divisor if divisor is not None else steps[0],
-                found_inf if found_inf is not None else steps[0],
-                ticket,
-                HAS_DIVISOR=divisor is not None,
-                HAS_GATE=found_inf is not None,
-                ADAMW=bool(group["decoupled_weight_decay"]),
-                MAXIMIZE=bool(group["maximize"]),
-                BLOCK=_BLOCK,
-                ALIGN=tab.align(p0.element_size()),
-                REDUCE_BLOCK=_REDUCE_BLOCK,
-                num_warps=_NUM_WARPS,
-            )
+            try:
+                kernel[(num_progs,)](
+                    p0,
+                    grads[first],
+                    exp_avgs[first],
+                    exp_avg_sqs[first],
+                    steps[0],
+                    dev_table,
+                    goffs,
+                    soffs,
+                    hparams,
+                    n,
+                    tab.n_steps,
+                    total_items,
+                    per_prog,
+                    num_progs,
+                    divisor if divisor is not None else steps[0],
+                    found_inf if found_inf is not None else steps[0],
+                    ticket,
+                    HAS_DIVISOR=divisor is not None,
+                    HAS_GATE=found_inf is not None,
+                    ADAMW=bool(group["decoupled_weight_decay"]),
+                    MAXIMIZE=bool(group["maximize"]),
+                    BLOCK=_BLOCK,
+                    ALIGN=align,
+                    REDUCE_BLOCK=_REDUCE_BLOCK,
+                    num_warps=_NUM_WARPS,
+                )
+            except Exception as exc:  # noqa: BLE001  (a Triton that cannot build it here)
+                _give_up(exc)
+                return False
         self.launches += 1
+        return True
