@@ -1,6 +1,6 @@
 """Checkpoint formats: the checked-in 0.1.0 checkpoint (tests/data/ckpt_v0_1_0, see _v010.py) and
-the format-2 one (tests/data/ckpt_format2, see _format2.py) still load bit for bit, on their own
-world size and resharded."""
+the format-2 and format-3 ones (tests/data/ckpt_format2 and ckpt_format3, see _format2.py and
+_format3.py) still load bit for bit, on their own world size and resharded."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from mfsdp_optim.checkpoint import (
 
 V010 = os.path.join(os.path.dirname(__file__), "data", "ckpt_v0_1_0")
 FORMAT2 = os.path.join(os.path.dirname(__file__), "data", "ckpt_format2")
+FORMAT3 = os.path.join(os.path.dirname(__file__), "data", "ckpt_format3")
 
 
 def _full(optimizer, records) -> dict:
@@ -60,9 +61,9 @@ def _load_v010(path, via):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("fixture", ["v0_1_0", "format2"])
+@pytest.mark.parametrize("fixture", ["v0_1_0", "format2", "format3"])
 def test_checked_in_checkpoint_loads_bit_for_bit(ranks, world, fixture):
-    path = {"v0_1_0": V010, "format2": FORMAT2}[fixture]
+    path = {"v0_1_0": V010, "format2": FORMAT2, "format3": FORMAT3}[fixture]
     want = ranks(2).run(_recompute)[0]
     ref, ref_hyper = train()
     # precondition: the recomputation is the training the checkpoint holds (float32 rounding
