@@ -83,6 +83,19 @@ def _llama1b(scale: float, count_scale: float) -> list[tuple[int, ...]]:
 MODELS = {"llama1b": _llama1b}
 
 
+def _shape_set(name: str) -> tuple[int, tuple[int, int]]:
+    """``(count, (rows, cols))`` of a named set or of any ``COUNTxROWSxCOLS`` (e.g.
+    ``3000x1x8``: tiny tensors, a host-bound proxy where device work is negligible)."""
+    if name in SHAPE_SETS:
+        return SHAPE_SETS[name]
+    try:
+        count, rows, cols = (int(x) for x in name.split("x"))
+    except ValueError:
+        msg = f"--sets: {name!r} is neither one of {sorted(SHAPE_SETS)} nor COUNTxROWSxCOLS"
+        raise SystemExit(msg) from None
+    return count, (rows, cols)
+
+
 _BACK_TO_BACK = 1  # --back-to-back
 
 
@@ -259,7 +272,11 @@ def main() -> None:
         action="store_true",
         help="the wrapper rows use torch's kernel (triton_adam_step=False), no wrap-torch row",
     )
-    ap.add_argument("--sets", default=",".join(SHAPE_SETS))
+    ap.add_argument(
+        "--sets",
+        default=",".join(SHAPE_SETS),
+        help="comma-separated shape sets: named ones or COUNTxROWSxCOLS (e.g. 3000x1x8)",
+    )
     ap.add_argument(
         "--model",
         choices=sorted(MODELS),
@@ -341,7 +358,7 @@ def main() -> None:
         runs.append((f"{args.model}[{len(shapes)}p,{n / 1e6:.1f}M]", shapes))
     else:
         for set_name in args.sets.split(","):
-            count, (rows, cols) = SHAPE_SETS[set_name]
+            count, (rows, cols) = _shape_set(set_name)
             count = max(1, round(count * args.count_scale))
             rows = max(1, round(rows * args.scale))
             runs.append((f"{count}x{rows}x{cols}", [(rows, cols)] * count))
