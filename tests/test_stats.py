@@ -406,3 +406,54 @@ def _rank_bucketing(kinds, reuse):
         key += (rank == 0 or not replicated,)
         want.setdefault(key, []).append(i)
     return got, want
+
+
+def test_bucketing_follows_a_spec_that_changed_since_the_last_call(ranks):
+    """``_parts_of`` remembers the last call's specs: a later call with the same grads but one
+    grad re-laid (a new spec of another replication), with a plain tensor in one slot, or on
+    another group, must not get the remembered parts or skip the validation."""
+    for got, want in ranks(2).run(_rank_bucketing_after_a_change):
+        assert got == want
+
+
+def _rank_bucketing_after_a_change():
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from mfsdp_optim._buckets import bucket_local_shards
+
+    mesh = get_mesh((2,))
+    rank = dist.get_rank()
+
+    def grad(i, placement):
+        return DTensor.from_local(torch.full((2, 3), float(i)), mesh, [placement])
+
+    def summary(grads, group=None):
+        buckets = bucket_local_shards(grads, group)
+        return {k[2:]: [int(t[0, 0]) for t in v] for k, v in buckets.items()}
+
+    grads = [grad(i, Shard(0)) for i in range(4)]
+    got = [summary(grads), summary(grads)]  # the second call finds the remembered specs
+    want = [{(1, True): [0, 1, 2, 3]}] * 2
+    grads[2] = grad(2, Replicate())  # re-laid: 2 ranks hold it, rank 0 counts its zeros
+    got.append(summary(grads))
+    want.append({(1, True): [0, 1, 3], (2, rank == 0): [2]})
+    got.append(summary(grads))  # remembered again, with the new spec
+    want.append(want[-1])
+    plain = list(grads)
+    plain[1] = torch.zeros(2, 3)
+    try:
+        summary(plain)
+        got.append("no error")
+    except TypeError as exc:
+        got.append("DTensor" in str(exc))
+    want.append(True)
+    # another group (this rank alone): the mesh spans ranks outside it, so it is refused
+    alone = [dist.new_group([r]) for r in range(2)]  # every rank creates both, in order
+    solo = alone[rank]
+    try:
+        summary(grads, solo)
+        got.append("no error")
+    except ValueError as exc:
+        got.append("not in the grad-stats group" in str(exc))
+    want.append(True)
+    return got, want

@@ -54,6 +54,19 @@ def _parts_of(grads: list[DTensor], group: dist.ProcessGroup | None) -> list[tup
         specs = list(map(_spec_of, grads))
     except AttributeError:  # not all DTensors: layout_of names the first that is not
         specs = [getattr(g, "_spec", None) for g in grads]
+    last = _LAST_PARTS.get(id(group))
+    if last is not None and len(last[0]) == len(specs) and all(map(operator.is_, specs, last[0])):
+        return last[1]  # the same spec objects as the last call: validated, same parts
+    parts = _looked_up_parts(grads, specs, group)
+    _LAST_PARTS.clear()  # one list per process: the last call's (no spec is kept longer)
+    _LAST_PARTS[id(group)] = (specs, parts)
+    return parts
+
+
+def _looked_up_parts(
+    grads: list[DTensor], specs: list[object], group: dist.ProcessGroup | None
+) -> list[tuple[int, bool]]:
+    """``_parts_of`` from ``layout_of``'s cache, validating the specs it does not hold."""
     cache = _LAYOUT_BY_SPEC.get(id(group), {})
     hits = list(map(cache.get, map(id, specs)))
     if None in hits:
@@ -76,6 +89,7 @@ def layout_of(grad: DTensor, index: int, group: dist.ProcessGroup | None) -> Lay
         part = _PARTS.setdefault(pair, pair)
         if sum(map(len, _LAYOUT_BY_SPEC.values())) >= _LAYOUT_CACHE_SIZE:
             _LAYOUT_BY_SPEC.clear()
+            _LAST_PARTS.clear()
         hit = _LAYOUT_BY_SPEC.setdefault(id(group), {})[id(spec)] = (spec, info, part)
     return hit[1]
 
@@ -88,6 +102,11 @@ _spec_of = operator.attrgetter("_spec")
 # one is freed, and FSDP2 users keep theirs for the whole job.
 _LAYOUT_BY_SPEC: dict[int, dict[int, tuple[object, LayoutInfo, tuple[int, bool]]]] = {}
 _PARTS: dict[tuple[int, bool], tuple[int, bool]] = {}
+# id(group) -> (the spec list of the last ``_parts_of`` call, its parts), at most one entry:
+# a steady caller (the same grads, or FSDP2's new grads of the same params, whose specs are the
+# params') then pays one identity pass instead of an id, a lookup and a copy per grad. The specs
+# are held, so an identity match names the very objects that were validated.
+_LAST_PARTS: dict[int, tuple[list[object], list[tuple[int, bool]]]] = {}
 _LAYOUT_CACHE_SIZE = 1 << 14
 
 
