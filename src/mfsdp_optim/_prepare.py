@@ -12,6 +12,7 @@ back into the originals after the base step, so ``p.grad`` keeps its dtype and o
 from __future__ import annotations
 
 from collections import defaultdict
+from operator import attrgetter
 from operator import is_ as _is
 from typing import Any
 
@@ -24,6 +25,8 @@ from ._placement import in_layout_of
 from ._slots import Slot
 
 __all__ = ["PreparePlan", "Preparer"]
+
+_grad_of = attrgetter("grad")
 
 
 class PreparePlan:
@@ -84,14 +87,15 @@ class PreparePlan:
         # the same grad objects, without the torch-function dispatch a tensor subclass's
         # property getter pays (about half the cost of reading .grad of a DTensor param)
         with torch._C.DisableTorchFunctionSubclass():
-            grads = [p.grad for p in params]
+            grads = list(map(_grad_of, params))
         try:
-            locals_ = [g._local_tensor for g in grads]  # type: ignore[union-attr]
+            locals_ = [g._local_tensor for g in grads]
         except AttributeError:  # a param without a grad this step, or a plain-tensor grad
             return None
         if not (
-            all(map(_is, [g._spec for g in grads], self.specs))  # type: ignore[union-attr]
-            and all(map(_is, [t.dtype for t in locals_], self.dtypes))
+            all(map(_is, [g._spec for g in grads], self.specs))
+            # torch.dtype objects are singletons: list equality is identity, without a pass
+            and [t.dtype for t in locals_] == self.dtypes
             and all(map(_is, [p._local_tensor for p in params], self.locals))
         ):
             return None
