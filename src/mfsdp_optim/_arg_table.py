@@ -84,13 +84,27 @@ def same_addresses(
             return False
         if _bulk_check is None:
             return addresses(tensors) == ptrs
-        indices = list(range(len(ptrs)))
+        indices = _all_indices(len(ptrs))
     if _bulk_check is not None:
         return bool(
             _bulk_check(tensors if isinstance(tensors, list) else list(tensors), ptrs, indices)
         )
     data_ptr = torch.Tensor.data_ptr
     return all(data_ptr(tensors[i]) == ptrs[i] for i in indices)
+
+
+def _all_indices(n: int) -> list[int]:
+    """``list(range(n))``, kept per ``n`` (the bulk check's index list for a whole list: built
+    once, not once per tensor and step). Read only: the C++ check does not keep or change it."""
+    indices = _ALL_INDICES.get(n)
+    if indices is None:
+        if len(_ALL_INDICES) >= 64:
+            _ALL_INDICES.clear()
+        indices = _ALL_INDICES[n] = list(range(n))
+    return indices
+
+
+_ALL_INDICES: dict[int, list[int]] = {}
 
 
 class DeviceTable:
