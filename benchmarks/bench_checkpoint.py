@@ -11,7 +11,7 @@ order, on the same optimizer and the same tensors:
   * ours, ``save_checkpoint`` / ``load_checkpoint`` (checksums on, verified on load).
 
 Reported: the worst rank's wall time of each phase (between barriers), bytes on disk, the items
-in ``.metadata``, the bytes each rank handed to the keyspace agreement (``_comm.SENT``), and peak
+in ``.metadata``, the bytes each rank handed to the keyspace agreement (``comm.SENT``), and peak
 RSS of rank 0 and of the last rank during each phase (sampled every 2 ms from /proc, as the
 increase over the RSS before the phase), against the size of the rank's state.
 
@@ -91,7 +91,7 @@ def _model(n_params: int, shape, world: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from mfsdp_optim._params import ParamRecord
+    from mfsdp_optim._infra.params import ParamRecord
 
     mesh = init_device_mesh("cpu", (world,))
     gshape = (shape[0] * world, shape[1])
@@ -123,7 +123,7 @@ def worker(rank, world, args, tmp, queue):
         set_optimizer_state_dict,
     )
 
-    from mfsdp_optim import _comm
+    from mfsdp_optim._infra import comm
     from mfsdp_optim.checkpoint import (
         build_sharded_state_dict,
         load_checkpoint,
@@ -140,9 +140,9 @@ def worker(rank, world, args, tmp, queue):
             if v.dim() > 0
         )
     }
-    sent0 = dict(_comm.SENT)
+    sent0 = dict(comm.SENT)
     build_sharded_state_dict(opt, records)
-    res["keyspace_sent"] = sum(_comm.SENT.values()) - sum(sent0.values())
+    res["keyspace_sent"] = sum(comm.SENT.values()) - sum(sent0.values())
     # what the detailed exchange (0.1.0's only path, now the fallback) would send per rank
     import pickle
 

@@ -269,7 +269,7 @@ def main() -> None:
             torch.backends.cuda.enable_flash_sdp(False)
             torch.backends.cuda.enable_mem_efficient_sdp(False)
 
-    from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
+    from mfsdp_optim.optim import FullyShardedOptimizer, OptimizerConfig
 
     device = torch.device(args.device)
     if device.type == "cuda":

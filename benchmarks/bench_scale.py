@@ -38,7 +38,7 @@ def _worker(rank, world, init_file, root, n_params, numel, out_file):
     from torch.distributed.tensor import DTensor, Shard
 
     from mfsdp_optim.checkpoint import load_checkpoint, save_checkpoint
-    from mfsdp_optim.optimizer import FullyShardedOptimizer
+    from mfsdp_optim.optim import FullyShardedOptimizer
 
     torch.set_num_threads(1)
     dist.init_process_group(

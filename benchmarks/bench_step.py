@@ -232,11 +232,12 @@ def _profile(fn, label: str, device: torch.device) -> None:
 
 
 def _check_cost(tensors) -> None:
-    """ns per tensor of ``_arg_table.same_addresses`` (the per-step check of the persistent
+    """ns per tensor of ``device_table.same_addresses`` (the per-step check of the persistent
     tables: the C++ loop where torch has it) and of the Python comparison."""
-    from mfsdp_optim import _arg_table
 
-    ptrs = _arg_table.addresses(tensors)
+    from mfsdp_optim._infra import device_table
+
+    ptrs = device_table.addresses(tensors)
     idx = list(range(len(tensors)))
     n = 200
 
@@ -246,9 +247,9 @@ def _check_cost(tensors) -> None:
             fn()
         return (time.perf_counter() - t0) / n / len(tensors) * 1e9
 
-    bulk = per_tensor(lambda: _arg_table.same_addresses(tensors, ptrs, idx))
-    py = per_tensor(lambda: _arg_table.addresses(tensors) == ptrs)
-    cpp = "C++" if _arg_table._bulk_check is not None else "Python (no C++ helper)"
+    bulk = per_tensor(lambda: device_table.same_addresses(tensors, ptrs, idx))
+    py = per_tensor(lambda: device_table.addresses(tensors) == ptrs)
+    cpp = "C++" if device_table._bulk_check is not None else "Python (no C++ helper)"
     print(f"address check: same_addresses ({cpp}) {bulk:.1f} ns/tensor, Python {py:.1f} ns/tensor")
 
 
@@ -336,7 +337,7 @@ def main() -> None:
             return FusedAdam(params, lr=kw["lr"], weight_decay=kw["weight_decay"], adam_w_mode=True)
         return torch.optim.AdamW(params, **kw)
 
-    from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
+    from mfsdp_optim.optim import FullyShardedOptimizer, OptimizerConfig
 
     device = torch.device(args.device)
     if device.type == "cuda":

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from _layouts import GradSpec, PlacementSpec, build_grad, global_tensor
 
-from mfsdp_optim._params import ParamRecord
+from mfsdp_optim._infra.params import ParamRecord
 
 S0, S1, R = PlacementSpec("S", 0), PlacementSpec("S", 1), PlacementSpec("R")
 SS0 = PlacementSpec("SS", 0, 2)

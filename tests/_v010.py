@@ -79,7 +79,7 @@ def sharded_model():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from mfsdp_optim._params import ParamRecord
+    from mfsdp_optim._infra.params import ParamRecord
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     params = {

@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from mfsdp_optim import _arg_table, _fused, _triton_adam
-from mfsdp_optim._triton_adam import AdamTable, TritonAdam
+from mfsdp_optim._infra import device_table
+from mfsdp_optim.optim import _triton_adam
+from mfsdp_optim.optim._triton_adam import AdamTable, TritonAdam
+from mfsdp_optim.stats import _fused
 
 GROUP = dict(
     lr=1e-2,
@@ -60,20 +62,20 @@ def _realloc(ts):
 
 def test_same_addresses():
     ts = [torch.empty(4), torch.empty(3), torch.empty(0)]
-    ptrs = _arg_table.addresses(ts)
+    ptrs = device_table.addresses(ts)
     assert ptrs == [t.data_ptr() for t in ts]
-    assert _arg_table.same_addresses(ts, ptrs)
-    assert _arg_table.same_addresses(ts, ptrs, [0, 2])
-    assert not _arg_table.same_addresses(ts[:2], ptrs)  # lengths differ
+    assert device_table.same_addresses(ts, ptrs)
+    assert device_table.same_addresses(ts, ptrs, [0, 2])
+    assert not device_table.same_addresses(ts[:2], ptrs)  # lengths differ
     moved = [ts[0], torch.empty(3), ts[2]]
-    assert not _arg_table.same_addresses(moved, ptrs)
-    assert _arg_table.same_addresses(moved, ptrs, [0, 2])  # the moved one is not asked about
-    assert not _arg_table.same_addresses(moved, ptrs, [1])
+    assert not device_table.same_addresses(moved, ptrs)
+    assert device_table.same_addresses(moved, ptrs, [0, 2])  # the moved one is not asked about
+    assert not device_table.same_addresses(moved, ptrs, [1])
 
 
 def test_device_table_patches_only_changes():
     host = np.arange(10, dtype=np.int64)
-    tab = _arg_table.DeviceTable(host, torch.device("cpu"))
+    tab = device_table.DeviceTable(host, torch.device("cpu"))
     assert tab.uploads == 1 and tab.tensor.tolist() == list(range(10))
     assert not tab.patch(2, np.array([2, 3], dtype=np.int64))
     assert tab.uploads == 1
@@ -84,10 +86,10 @@ def test_device_table_patches_only_changes():
 
 
 def test_check_all_env(monkeypatch):
-    monkeypatch.delenv(_arg_table.CHECK_ALL_ENV, raising=False)
-    assert not _arg_table.check_all_lists()
-    monkeypatch.setenv(_arg_table.CHECK_ALL_ENV, "1")
-    assert _arg_table.check_all_lists()
+    monkeypatch.delenv(device_table.CHECK_ALL_ENV, raising=False)
+    assert not device_table.check_all_lists()
+    monkeypatch.setenv(device_table.CHECK_ALL_ENV, "1")
+    assert device_table.check_all_lists()
 
 
 # ------------------------------------------------------------------------------ stats table
@@ -192,7 +194,7 @@ def test_adam_table_refresh_uploads_only_what_moved():
 
 
 def test_adam_table_fits_lists_and_holds_storages(monkeypatch):
-    monkeypatch.delenv(_arg_table.CHECK_ALL_ENV, raising=False)
+    monkeypatch.delenv(device_table.CHECK_ALL_ENV, raising=False)
     p, g, m, v, s = _lists()
     tab = AdamTable.build(p, m, v, s, GROUP, 0)
     assert tab.fits(p, m, v, s)
@@ -201,7 +203,7 @@ def test_adam_table_fits_lists_and_holds_storages(monkeypatch):
     p[0].data = torch.randn(40, 3)  # a storage swapped under a held tensor
     assert tab.fits(p, m, v, s)  # not seen by default ...
     assert any(st.data_ptr() == storage.data_ptr() for st in tab.storages)  # ... old one held
-    monkeypatch.setenv(_arg_table.CHECK_ALL_ENV, "1")
+    monkeypatch.setenv(device_table.CHECK_ALL_ENV, "1")
     assert not tab.fits(p, m, v, s)  # seen with every list checked
 
 
@@ -278,7 +280,7 @@ def _rank_fast_step_holder():
     from _layouts import get_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
+    from mfsdp_optim.optim import FullyShardedOptimizer, OptimizerConfig
 
     mesh = get_mesh((1,))
     params = [
@@ -396,7 +398,7 @@ def test_interpreted_adam_with_moving_grads(interpreted_adam):
 @interpret
 def test_interpreted_stats_with_moving_grads():
     pytest.importorskip("triton")
-    from mfsdp_optim._stats_math import shard_contribution as reference
+    from mfsdp_optim.stats._math import shard_contribution as reference
 
     kernel = _fused._load_triton()
     assert kernel is not None

@@ -277,7 +277,7 @@ def test_keyspace_identical_and_one_collective(ranks, alias, filter_empty):
 def _keyspace_fallback(case):
     """Ranks whose digests differ: rank 1 holds an extra param (another model), or the params
     never stepped on their owners while a filtered rank derives keys for them."""
-    from mfsdp_optim._params import ParamRecord
+    from mfsdp_optim._infra.params import ParamRecord
 
     m = Model("fsdp", "adamw_amsgrad")
     if case == "stepped":

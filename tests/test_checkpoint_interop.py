@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from mfsdp_optim._params import ParamRecord
+from mfsdp_optim._infra.params import ParamRecord
 from mfsdp_optim.checkpoint import (
     OptimizerStateful,
     build_sharded_state_dict,

@@ -16,8 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mfsdp_optim import _cpu_stats
-from mfsdp_optim._stats_math import (
+from mfsdp_optim.stats import _cpu
+from mfsdp_optim.stats._math import (
     NONFINITE_SLOT,
     NORM_SLOT,
     ZEROS_SLOT,
@@ -38,9 +38,7 @@ SCALES = [1e-44, 1e-40, 1e-30, 1e-21, 1e-20, 1e-3, 1.0, 1e15, 1e20, 1e30, F32_MA
 @st.composite
 def tensors_of(draw, dtype):
     """One tensor: a length (0, small, or past one piece), a magnitude, maybe zeros/NaN/inf."""
-    n = draw(
-        st.sampled_from([0, 1, 7, 300, 1025, 3 * 1024, 5 * 2048 + 256, 2 * _cpu_stats.PIECE + 5])
-    )
+    n = draw(st.sampled_from([0, 1, 7, 300, 1025, 3 * 1024, 5 * 2048 + 256, 2 * _cpu.PIECE + 5]))
     seed = draw(st.integers(0, 2**16))
     scale = draw(st.sampled_from(SCALES))
     gen = torch.Generator().manual_seed(seed)
@@ -76,7 +74,7 @@ def _contrib(ts, p, host_reads):
 @given(data=st.data(), p=st.sampled_from(NORM_TYPES), dtype=st.sampled_from(DTYPES))
 def test_cpu_path_matches_float64_brute_force(data, p, dtype):
     ts = data.draw(st.lists(tensors_of(dtype), min_size=1, max_size=5))
-    assert _cpu_stats.applies(ts, p)
+    assert _cpu.applies(ts, p)
     row = _contrib(ts, p, host_reads=True)
     other = _contrib(ts, p, host_reads=False)
     torch.testing.assert_close(row, other, rtol=0.0, atol=0.0, equal_nan=True)  # bit for bit
@@ -126,9 +124,9 @@ def test_millions_of_elements_stay_accurate():
 
 
 def test_reference_path_keeps_other_dtypes_and_p1():
-    assert not _cpu_stats.applies([torch.ones(3)], 1.0)
-    assert not _cpu_stats.applies([torch.ones(3, dtype=torch.float64)], 2.0)
-    assert not _cpu_stats.applies([torch.ones(3, dtype=torch.int64)], 2.0)
-    assert not _cpu_stats.applies([torch.ones(3, device="meta")], 2.0)
+    assert not _cpu.applies([torch.ones(3)], 1.0)
+    assert not _cpu.applies([torch.ones(3, dtype=torch.float64)], 2.0)
+    assert not _cpu.applies([torch.ones(3, dtype=torch.int64)], 2.0)
+    assert not _cpu.applies([torch.ones(3, device="meta")], 2.0)
     with pytest.raises(RuntimeError):  # an int64 grad still raises, as before
         _contrib([torch.ones(3, dtype=torch.int64)], 2.0, host_reads=True)

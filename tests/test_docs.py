@@ -183,7 +183,7 @@ PUBLIC_MODULES = (
     "mfsdp_optim",
     "mfsdp_optim.checkpoint",
     "mfsdp_optim.stats",
-    "mfsdp_optim.grad_scaler",
+    "mfsdp_optim.optim",
 )
 REST_MARKUP = re.compile(r":(?:meth|class|func):|::\s*$", re.M)
 
@@ -292,12 +292,12 @@ def test_api_page_renders_docstrings(built_site):
     for heading in ("Args:", "Returns:", "Raises:", "Attributes:"):
         assert f"<p>{heading}" not in html, f"an unparsed {heading!r} section"
     # OptimizerConfig's options: one table row each, none swallowed into a collapsible box
-    config = html[html.index('id="mfsdp_optim.optimizer.OptimizerConfig"') :]
+    config = html[html.index('id="mfsdp_optim.optim.OptimizerConfig"') :]
     for option in ("clip_grad", "norm_type", "filter_empty_shards", "host_sync"):
         assert re.search(_cell(option), config), option
     assert not re.search(r"<details[^>]*>(?:(?!</details>).)*filter_empty_shards", config, re.S)
     # FullyShardedOptimizer's Args: a parameters table holding every constructor argument
-    wrapper = _object(html, "mfsdp_optim.optimizer.FullyShardedOptimizer")
+    wrapper = _object(html, "mfsdp_optim.optim.FullyShardedOptimizer")
     table = _section_table(wrapper, "Parameters")
     for arg in ("optimizer", "config", "grad_scaler", "init_state_fn", "model_chunks"):
         assert re.search(_cell(arg), table), arg
@@ -309,9 +309,7 @@ def test_api_page_renders_docstrings(built_site):
         table = _section_table(_object(html, obj), "Attributes")
         for name in names:
             assert re.search(_cell(name), table), (obj, name)
-    step = _section_table(
-        _object(html, "mfsdp_optim.optimizer.FullyShardedOptimizer.step"), "Returns"
-    )
+    step = _section_table(_object(html, "mfsdp_optim.optim.FullyShardedOptimizer.step"), "Returns")
     for name in ("update_successful", "grad_norm", "num_zeros_in_grad"):
         assert re.search(_cell(name), step), name
     # a reST literal block ("Save::") shows up as text ending in "::"

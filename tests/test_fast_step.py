@@ -24,7 +24,7 @@ CLASSES = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 @contextlib.contextmanager
 def _generic():
     """Force the generic path while the block runs."""
-    from mfsdp_optim._dispatch import DISABLE_FAST_STEP_ENV as DISABLE_ENV
+    from mfsdp_optim.optim._dispatch import DISABLE_FAST_STEP_ENV as DISABLE_ENV
 
     old = os.environ.get(DISABLE_ENV)
     os.environ[DISABLE_ENV] = "1"
@@ -69,8 +69,7 @@ def _set_grads(params, step: int, *, bf16: bool, scale: float, inf: bool):
 
 
 def _make(cls, kw, params, extras):
-    from mfsdp_optim.grad_scaler import DynamicGradScaler
-    from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
+    from mfsdp_optim.optim import DynamicGradScaler, FullyShardedOptimizer, OptimizerConfig
 
     kw = dict(kw)
     if torch.is_tensor(kw["lr"]):
@@ -178,7 +177,7 @@ def test_fast_step_bit_identical(ranks, extras):
 
 
 def _rank_when_taken():
-    from mfsdp_optim.optimizer import FullyShardedOptimizer
+    from mfsdp_optim.optim import FullyShardedOptimizer
 
     out = {}
     no_scaler = dict(bf16=False, scale=1.0, inf=False)
@@ -302,7 +301,7 @@ def test_when_fast_path_is_taken(ranks):
 def _rank_invalidation():
     from torch.distributed.tensor import DTensor
 
-    from mfsdp_optim.optimizer import FullyShardedOptimizer
+    from mfsdp_optim.optim import FullyShardedOptimizer
 
     no_scaler = dict(bf16=False, scale=1.0, inf=False)
     out = {}
@@ -408,7 +407,7 @@ def _rank_training(fused):
     from _layouts import get_mesh
     from test_optimizer import _train_and_compare
 
-    from mfsdp_optim._fast_step import FastAdamStep
+    from mfsdp_optim.optim._fast_step import FastAdamStep
 
     mesh = get_mesh((dist.get_world_size(),))
     original = FastAdamStep.step

@@ -15,8 +15,8 @@ import sys
 import pytest
 import torch
 
-from mfsdp_optim import _fused
-from mfsdp_optim._stats_math import shard_contribution as reference
+from mfsdp_optim.stats import _fused
+from mfsdp_optim.stats._math import shard_contribution as reference
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -240,7 +240,7 @@ def test_graph_capture_falls_back():
 
 @cuda
 def test_stats_layer_uses_fused_bucket_path():
-    from mfsdp_optim import _reduce
+    from mfsdp_optim.stats import _reduce
 
     ts = [torch.randn(100 + i, device="cuda") for i in range(20)]
     buckets = {

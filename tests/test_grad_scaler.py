@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mfsdp_optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from mfsdp_optim.optim import ConstantGradScaler, DynamicGradScaler
 
 
 def test_dynamic_backoff_hysteresis_growth_and_min_scale():

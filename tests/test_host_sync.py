@@ -186,7 +186,7 @@ def test_host_sync_false_never_syncs_on_cuda(tmp_path, variant):
     under ``torch.cuda.set_sync_debug_mode("error")``, overflowing steps included; with the
     Triton update too (it reads ``found_inf`` on the device)."""
     from mfsdp_optim import DynamicGradScaler, FullyShardedOptimizer, OptimizerConfig
-    from mfsdp_optim._triton_adam import TritonAdam
+    from mfsdp_optim.optim._triton_adam import TritonAdam
 
     triton = variant == "triton"
     if triton and not TritonAdam.available():
@@ -233,7 +233,7 @@ def test_host_sync_true_returns_before_the_update_finishes(tmp_path, variant):
     the state, and first uses compile the Triton kernel and load CUDA modules, which may wait
     for the device (once per process, not per step)."""
     from mfsdp_optim import DynamicGradScaler, FullyShardedOptimizer, OptimizerConfig
-    from mfsdp_optim._triton_adam import TritonAdam
+    from mfsdp_optim.optim._triton_adam import TritonAdam
 
     if variant == "triton" and not TritonAdam.available():
         pytest.skip("needs Triton")

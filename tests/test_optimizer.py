@@ -101,7 +101,7 @@ def _train_and_compare(
     mesh, opt_name, *, steps=4, clip=0.05, fused=False, filter_empty=False, break_it=False, seed=0
 ):
     """Train a sharded model through the wrapper next to an unsharded reference; check all."""
-    from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
+    from mfsdp_optim.optim import FullyShardedOptimizer, OptimizerConfig
 
     cls, kw = OPTIMIZERS[opt_name]
     extra = {"fused": True} if fused else {"foreach": True}
@@ -202,7 +202,7 @@ def _rank_all_optimizers(break_exact: str | None = None):
     import torch.distributed as dist
     from _layouts import get_mesh
 
-    from mfsdp_optim.optimizer import FullyShardedOptimizer
+    from mfsdp_optim.optim import FullyShardedOptimizer
 
     mesh = get_mesh((dist.get_world_size(),))
     ran = []
@@ -246,7 +246,7 @@ def _rank_filter_and_stubs():
     import torch.distributed as dist
     from _layouts import get_mesh
 
-    from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
+    from mfsdp_optim.optim import FullyShardedOptimizer, OptimizerConfig
 
     out = {}
     norms, n_state = _train_and_compare(get_mesh((4,)), "Adam", filter_empty=True, steps=3)

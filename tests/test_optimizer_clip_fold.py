@@ -1,5 +1,5 @@
 """Clip folding: with clipping on, torch's fused optimizers take the clip as their ``grad_scale``
-divisor instead of a separate multiply (see "Clip folding" in ``mfsdp_optim.optimizer``).
+divisor instead of a separate multiply (see "Clip folding" in ``mfsdp_optim.optim``).
 
 Reference: the same params and grads stepped by the plain torch optimizer on local tensors after
 ``torch.nn.utils.clip_grad_norm_``. Folded and unfolded wrappers must both match it (to the last
@@ -50,7 +50,7 @@ def _wrapped(cls, kw, fold: bool, bf16: bool, steps: int, device: str):
     from torch.distributed.tensor import DTensor, Shard
 
     from mfsdp_optim import FullyShardedOptimizer, OptimizerConfig
-    from mfsdp_optim._dispatch import DISABLE_CLIP_FOLD_ENV
+    from mfsdp_optim.optim._dispatch import DISABLE_CLIP_FOLD_ENV
 
     mesh = _mesh(device)
     gen = torch.Generator().manual_seed(0)
@@ -160,7 +160,7 @@ def _rank_when_not():
     from _layouts import get_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
+    from mfsdp_optim.optim import FullyShardedOptimizer, OptimizerConfig
 
     mesh = get_mesh((1,))
 

@@ -56,8 +56,7 @@ def _moe_ref_grads(ref, x):
 
 
 def _rank_moe():
-    from mfsdp_optim.grad_scaler import DynamicGradScaler
-    from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
+    from mfsdp_optim.optim import DynamicGradScaler, FullyShardedOptimizer, OptimizerConfig
 
     out = {}
     # --- training equivalence on the dense+expert layout, with clipping
@@ -156,8 +155,7 @@ def _rank_cast_sched_hooks_rebind():
     from _layouts import get_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from mfsdp_optim.grad_scaler import ConstantGradScaler
-    from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
+    from mfsdp_optim.optim import ConstantGradScaler, FullyShardedOptimizer, OptimizerConfig
 
     mesh = get_mesh((dist.get_world_size(),))
     # --- bf16 grads of fp32 params, loss scale 8: cast for the base step, restored after
@@ -288,7 +286,7 @@ def _rank_bad_configs():
     from _layouts import get_mesh
     from torch.distributed.tensor import DTensor, Replicate
 
-    from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
+    from mfsdp_optim.optim import FullyShardedOptimizer, OptimizerConfig
 
     mesh = get_mesh((dist.get_world_size(),))
     errors = {}
@@ -400,7 +398,7 @@ def _rank_add_param_group():
     import torch.distributed as dist
     from _layouts import get_mesh
 
-    from mfsdp_optim.optimizer import FullyShardedOptimizer
+    from mfsdp_optim.optim import FullyShardedOptimizer
 
     mesh = get_mesh((dist.get_world_size(),))
     first, second, outsider = _model(0), _model(1), _model(2)

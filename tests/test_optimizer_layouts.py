@@ -50,7 +50,7 @@ def _grad_spec(spec, step: int):
 def _rank_train(specs, opt_name, mode, clip, norm_type, filter_empty):
     from _layouts import build_grad
 
-    from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
+    from mfsdp_optim.optim import FullyShardedOptimizer, OptimizerConfig
 
     cls, kw = OPTIMIZERS[opt_name]
     params = [torch.nn.Parameter(build_grad(_param_spec(s))) for s in specs]

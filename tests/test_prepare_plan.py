@@ -39,7 +39,7 @@ def _rank_script(mode: str):
     from _layouts import get_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
+    from mfsdp_optim.optim import FullyShardedOptimizer, OptimizerConfig
 
     mesh = get_mesh((1,))
     gen = torch.Generator().manual_seed(0)

@@ -127,8 +127,12 @@ def _cases(root):  # noqa: C901 - one flat list of small cases
         save_checkpoint,
         to_torch_state_dict,
     )
-    from mfsdp_optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
-    from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
+    from mfsdp_optim.optim import (
+        ConstantGradScaler,
+        DynamicGradScaler,
+        FullyShardedOptimizer,
+        OptimizerConfig,
+    )
 
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (4,))

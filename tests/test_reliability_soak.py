@@ -40,8 +40,7 @@ def _soak(steps: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from mfsdp_optim.grad_scaler import DynamicGradScaler
-    from mfsdp_optim.optimizer import FullyShardedOptimizer, OptimizerConfig
+    from mfsdp_optim.optim import DynamicGradScaler, FullyShardedOptimizer, OptimizerConfig
 
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -114,7 +113,7 @@ def _soak(steps: int):
 
 
 def simulate(steps: int):
-    from mfsdp_optim.grad_scaler import DynamicGradScaler
+    from mfsdp_optim.optim import DynamicGradScaler
 
     plan = schedule(steps)
     s = DynamicGradScaler(**SCALER)

@@ -43,8 +43,9 @@ def _raising_iterable():
 
 def _call(kind, rank):
     """Issue the call of case ``kind`` as rank ``rank`` would; returns the GradStats."""
-    from mfsdp_optim import _reduce, stats
-    from mfsdp_optim._buckets import bucket_local_shards
+    from mfsdp_optim import stats
+    from mfsdp_optim.stats import _reduce
+    from mfsdp_optim.stats._buckets import bucket_local_shards
 
     bad = rank == BAD
     if kind == "norm_type_0":
@@ -190,7 +191,8 @@ def test_arguments_that_differ_between_ranks_raise_everywhere(ranks, kind):
 
 def _rank_count_collectives(kind):
     """Count the real collectives one call issues (the real functions, wrapped to count)."""
-    from mfsdp_optim import _reduce, stats
+    from mfsdp_optim import stats
+    from mfsdp_optim.stats import _reduce
 
     calls = []
     real_gather, real_reduce = _reduce._all_gather_flat, dist.all_reduce
@@ -230,8 +232,8 @@ def test_one_collective_when_healthy_two_when_a_rank_failed(ranks):
 
 def _rank_device_only():
     """host_sync=False: the failing rank raises at once; the others get NaN and found_inf."""
-    from mfsdp_optim import _reduce
-    from mfsdp_optim._buckets import bucket_local_shards
+    from mfsdp_optim.stats import _reduce
+    from mfsdp_optim.stats._buckets import bucket_local_shards
 
     rank = dist.get_rank()
     buckets = RuntimeError("boom") if rank == BAD else bucket_local_shards(_good(), None)

@@ -384,7 +384,7 @@ def test_bucketing_matches_a_per_grad_grouping(ranks, kinds, reuse):
 def _rank_bucketing(kinds, reuse):
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from mfsdp_optim._buckets import bucket_local_shards
+    from mfsdp_optim.stats._buckets import bucket_local_shards
 
     mesh = get_mesh((2,))
     grads = [
@@ -419,7 +419,7 @@ def test_bucketing_follows_a_spec_that_changed_since_the_last_call(ranks):
 def _rank_bucketing_after_a_change():
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from mfsdp_optim._buckets import bucket_local_shards
+    from mfsdp_optim.stats._buckets import bucket_local_shards
 
     mesh = get_mesh((2,))
     rank = dist.get_rank()

@@ -18,7 +18,7 @@ from _layouts import PlacementSpec, global_tensor, grad_specs, local_shard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mfsdp_optim._stats_math import (
+from mfsdp_optim.stats._math import (
     NONFINITE_SLOT,
     NORM_SLOT,
     ZEROS_SLOT,

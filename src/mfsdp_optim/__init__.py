@@ -1,12 +1,17 @@
 """mfsdp_optim: make any torch.optim optimizer a correct and fast citizen of FSDP2 training."""
 
-from ._config import OptimizerConfig
-from ._layout_check import DuplicatedParam, check_layout
 from ._version import __version__
-from .grad_scaler import ConstantGradScaler, DynamicGradScaler, GradScaler
-from .optimizer import FullyShardedOptimizer
+from .optim import (
+    ConstantGradScaler,
+    DynamicGradScaler,
+    FullyShardedOptimizer,
+    GradScaler,
+    OptimizerConfig,
+)
 from .stats import (
+    DuplicatedParam,
     GradStats,
+    check_layout,
     clip_grads_with_norm_,
     count_replication,
     count_zeros,

@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .._params import ParamRecord
+from .._infra.params import ParamRecord
 from ._keyspace import Keyspace, agree, describe, digest, gather, local_keyspace, merge
 from ._layout import placeholder, wrap
 from ._materialize import materialize_optimizer_state

@@ -41,8 +41,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .._comm import all_gather_objects, all_reduce_max
-from .._params import ParamRecord
+from .._infra.comm import all_gather_objects, all_reduce_max
+from .._infra.params import ParamRecord
 from ._layout import Slot, StateLayoutError, classify
 from ._materialize import scratch_copy
 from ._values import PlainValueError, dtype_name, group_meta

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._placement import in_layout_of
+from .._infra.placement import in_layout_of
 from ._values import dtype_from_name, dtype_name
 
 __all__ = ["StateLayoutError", "Slot", "classify", "placeholder", "wrap"]

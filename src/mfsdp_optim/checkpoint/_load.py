@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .._comm import all_gather_objects, all_reduce_max
-from .._params import ParamRecord
+from .._infra.comm import all_gather_objects, all_reduce_max
+from .._infra.params import ParamRecord
 from ._layout import Slot, StateLayoutError, classify, local_shape
 from ._table import as_table, is_table
 from ._values import (

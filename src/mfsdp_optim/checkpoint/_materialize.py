@@ -10,7 +10,7 @@ Afterwards the live params' version counters and the hyperparameters are checked
 
 A DTensor param is cloned as its local shard, as the wrapper's ``step()`` shows it (no DTensor
 dispatch, and optimizers whose kernels read raw pointers, such as apex's FusedAdam, work); the
-state it gets is put back as stock torch holds it (``_views.as_stock_value``: parameter-shaped
+state it gets is put back as stock torch holds it (``as_stock_value``: parameter-shaped
 tensors as DTensors in the param's layout). Lists the optimizer keeps beside its groups (apex's
 ``param_groups_master``, ``_group_lists``) get scratch entries aligned with the clones.
 
@@ -26,8 +26,8 @@ from collections import OrderedDict, defaultdict
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._group_lists import aligned_lists
-from .._views import as_stock_value
+from .._infra.group_lists import aligned_lists
+from .._infra.placement import as_stock_value
 
 __all__ = ["materialize_optimizer_state", "scratch_copy"]
 

@@ -859,7 +859,7 @@ def _clone(value: Any) -> Any:
     """A staging copy of a load target: containers copied, tensors cloned, the rest shared."""
     from torch.distributed.tensor import DTensor
 
-    from .._placement import copy_in_layout
+    from .._infra.placement import copy_in_layout
 
     if isinstance(value, DTensor):
         return copy_in_layout(value)

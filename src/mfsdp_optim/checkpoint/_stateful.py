@@ -31,7 +31,7 @@ class OptimizerStateful(Stateful):
 
     Args:
         optimizer: Needs ``sharded_state_dict(is_loading=...)`` and ``load_state_dict(sd)`` (a
-            [FullyShardedOptimizer][mfsdp_optim.optimizer.FullyShardedOptimizer]).
+            [FullyShardedOptimizer][mfsdp_optim.optim._optimizer.FullyShardedOptimizer]).
         grad_scaler: The grad scaler to save and load along (default: the optimizer's own
             ``grad_scaler`` attribute, if any).
         materialize: Materialise state before every ``state_dict()`` (needed to load).

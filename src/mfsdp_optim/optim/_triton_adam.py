@@ -28,7 +28,7 @@ Python floats as float32: ``1 - beta2`` would be off by 1e-5 relative). Program 
 persistent grid takes a contiguous run of items, finds its first tensor by binary search, then
 walks forward, as the stats kernel does. The fast step hands its per-group cache as the table's
 holder: the table is built once for those lists and kept on the device; at each step only the
-grads' addresses are checked (``_arg_table.same_addresses``) and only what changed (the grad
+grads' addresses are checked (``device_table.same_addresses``) and only what changed (the grad
 offsets, the hyperparameters) is uploaded again, through a pinned buffer and without a sync.
 Why nothing can go stale unseen: the module docstring of ``_arg_table``.
 
@@ -58,9 +58,9 @@ from typing import Any
 
 import torch
 
-from ._arg_table import DeviceTable, addresses, check_all_lists, same_addresses
+from .._infra.device_table import DeviceTable, addresses, check_all_lists, same_addresses
+from .._infra.kernels import device_helpers, element_offsets, sm_count_of
 from ._fast_step import advance_steps
-from ._fused import _device_helpers, _element_offsets, _sm_count_of
 
 __all__ = ["AdamTable", "TritonAdam"]
 
@@ -122,7 +122,7 @@ def _build() -> Any:
     except ImportError:  # older layouts
         from triton.language.extra.cuda import libdevice  # type: ignore[no-redef]
 
-    first_tensor = _device_helpers()["first_tensor"]
+    first_tensor = device_helpers()["first_tensor"]
 
     @triton.jit(do_not_specialize=["n", "n_steps", "total_items", "items_per_prog", "num_progs"])
     def _adam_kernel(
@@ -254,12 +254,12 @@ def _build() -> Any:
 
 
 def _offsets(tensors: list[torch.Tensor]) -> tuple[Any, bool] | None:
-    """``_fused._element_offsets`` of the tensors' addresses: element offsets from the first
+    """``element_offsets`` of the tensors' addresses: element offsets from the first
     tensor and whether all are 16-byte aligned, or None."""
     import numpy as np
 
     ptrs = np.fromiter(map(torch.Tensor.data_ptr, tensors), dtype=np.int64, count=len(tensors))
-    return _element_offsets(ptrs, tensors[0].element_size())
+    return element_offsets(ptrs, tensors[0].element_size())
 
 
 def _hparams(group: dict) -> Any:
@@ -563,7 +563,7 @@ class TritonAdam:
         dev_table = tab.table.tensor
         n = tab.n
         total_items = tab.total_items
-        sms = _sm_count_of(device) if device.type == "cuda" else 1  # CPU: Triton's interpreter
+        sms = sm_count_of(device) if device.type == "cuda" else 1  # CPU: Triton's interpreter
         per_prog = -(-total_items // min(total_items, sms * _PROGRAMS_PER_SM))
         num_progs = -(-total_items // per_prog)
         ticket = self._tickets.get(device.index)  # type: ignore[arg-type]

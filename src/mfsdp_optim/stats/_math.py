@@ -17,7 +17,7 @@ so ranks with different arguments can never issue different collectives) and com
 ``combine_contributions()``, which is also what combines the groups of one rank. Accumulation is
 float64 throughout: a float32 grad of 1e30 squares to 1e60 without
 overflow, and the zero count stays exact far past 2**24. On CPU (``_cpu_stats``) float32 partial
-sums of at most ``_cpu_stats.PIECE`` elements are accumulated in float64, and a tensor whose
+sums of at most ``_cpu.PIECE`` elements are accumulated in float64, and a tensor whose
 float32 partial lost range is recomputed in float64.
 """
 
@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from . import _cpu_stats
+from . import _cpu
 
 __all__ = [
     "NORM_SLOT",
@@ -77,15 +77,15 @@ def shard_contribution(
     synchronises with the host. The result is a float64 vector on the tensors' device.
 
     CPU buckets of float32, bfloat16 or float16 (``p != 1``) take
-    ``_cpu_stats.cpu_contribution()`` instead: float32 partials over bounded pieces summed in
+    ``_cpu.cpu_contribution()`` instead: float32 partials over bounded pieces summed in
     float64, float64 recomputation of the tensors whose float32 result lost range.
     ``host_reads`` lets it read its CPU flags to recompute only those tensors (same result,
     bitwise). Every other device and dtype ignores ``host_reads``.
     """
     if not tensors:
         raise ValueError("shard_contribution needs at least one tensor (its device)")
-    if _cpu_stats.applies(tensors, norm_type):
-        return _cpu_stats.cpu_contribution(
+    if _cpu.applies(tensors, norm_type):
+        return _cpu.cpu_contribution(
             tensors,
             norm_type=norm_type,
             replication=replication,

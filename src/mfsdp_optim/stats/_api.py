@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .._infra.placement import layout_info, require_dtensor
 from ._buckets import bucket_local_shards
 from ._clip import check_max_norm, scale_by_clip_coef_
-from ._placement import layout_info, require_dtensor
 from ._reduce import GradStats, RankFailedError, StatsArgumentMismatchError, reduce_buckets
 
 __all__ = [
@@ -110,7 +110,7 @@ def grad_stats(
             piece of any grad.
 
     Returns:
-        A [GradStats][mfsdp_optim.stats.GradStats] with tensors on the group's collective
+        A [GradStats][mfsdp_optim.stats._api.GradStats] with tensors on the group's collective
             device, bitwise equal on every rank.
 
     Raises:
@@ -136,7 +136,7 @@ def get_grad_norm(
     """The ``norm_type`` norm of the concatenated global tensors, equal on every rank of ``group``.
 
     Same placements, contributions, single collective and failure behaviour as
-    [grad_stats()][mfsdp_optim.stats.grad_stats].
+    [grad_stats()][mfsdp_optim.stats._api.grad_stats].
 
     Args:
         grads: The gradients, as DTensors on any mix of meshes.
@@ -154,7 +154,7 @@ def count_zeros(grads: Iterable[DTensor], group: dist.ProcessGroup | None = None
 
     Each rank counts the zeros of the shards it is the canonical replica of (coordinate 0 along
     every replicated mesh dim); the one collective of
-    [grad_stats()][mfsdp_optim.stats.grad_stats] adds them. Exact up to 2**53 elements.
+    [grad_stats()][mfsdp_optim.stats._api.grad_stats] adds them. Exact up to 2**53 elements.
 
     Args:
         grads: The gradients, as DTensors on any mix of meshes.
@@ -186,7 +186,7 @@ def clip_grads_with_norm_(
         parameters: A tensor or an iterable of them (``model.parameters()``).
         max_norm: The norm to clip to.
         total_norm: The global norm of the grads, typically
-            [get_grad_norm()][mfsdp_optim.stats.get_grad_norm]'s result.
+            [get_grad_norm()][mfsdp_optim.stats._api.get_grad_norm]'s result.
         foreach: Accepted for torch parity (the multiply is always multi-tensor).
     """
     max_norm = check_max_norm(max_norm)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ._placement import LayoutInfo, layout_info, mesh_ranks_outside_group, require_dtensor
+from .._infra.placement import LayoutInfo, layout_info, mesh_ranks_outside_group, require_dtensor
 
 __all__ = ["BucketKey", "Buckets", "bucket_local_shards", "layout_of"]
 

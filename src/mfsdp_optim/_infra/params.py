@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["ParamRecord"]
+__all__ = ["ParamRecord", "strip_compile_prefix"]
+
+_COMPILE_PREFIX = "_orig_mod"
 
 
 @dataclass(frozen=True)
@@ -31,3 +33,8 @@ class ParamRecord:
     fqn: str
     param: DTensor
     opt_param: torch.Tensor | None
+
+
+def strip_compile_prefix(name: str) -> str:
+    """``name`` without ``torch.compile``'s ``_orig_mod`` component (stock DCP's FQN)."""
+    return ".".join(part for part in name.split(".") if part != _COMPILE_PREFIX)

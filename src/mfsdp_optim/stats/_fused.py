@@ -1,6 +1,6 @@
 """Optional fused kernels for the stats layer (CUDA + Triton).
 
-``shard_contribution`` has the contract of ``mfsdp_optim._stats_math.shard_contribution()``
+``shard_contribution`` has the contract of ``mfsdp_optim.stats._math.shard_contribution()``
 and returns None when no fused kernel applies (CPU tensors, Triton missing, CUDA graph capture,
 ``torch.compile`` tracing, an unsupported dtype), in which case the caller falls back to the
 pure-torch multi-tensor path.
@@ -43,7 +43,8 @@ from typing import Any
 
 import torch
 
-from ._arg_table import DeviceTable, addresses, same_addresses
+from .._infra.device_table import DeviceTable, addresses, same_addresses
+from .._infra.kernels import device_helpers, element_offsets, sm_count_of
 
 __all__ = ["shard_contribution", "fused_available"]
 
@@ -99,32 +100,6 @@ def fused_available(device: torch.device | str | None = None) -> bool:
     return _load_triton() is not None
 
 
-def _device_helpers() -> dict[str, Any]:
-    """Triton device functions shared with the other kernels of the package (built once, after
-    Triton imported)."""
-    helpers = _state.get("helpers")
-    if helpers is None:
-        import triton
-        import triton.language as tl
-
-        @triton.jit
-        def first_tensor(cum_ptr, n, item):
-            # The tensor that holds work item ``item``: the largest t with cum[t] <= item, where
-            # cum (n + 1 entries) counts the items of the tensors before t.
-            lo = tl.full([], 0, tl.int32)
-            hi = n - 1
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                ok = tl.load(cum_ptr + mid) <= item
-                lo = tl.where(ok, mid, lo)
-                hi = tl.where(ok, hi, mid - 1)
-            return lo
-
-        helpers = _state["helpers"] = {"first_tensor": first_tensor}
-        globals().update(tl=tl)  # its globals are this module's (Triton's interpreter reads them)
-    return helpers
-
-
 def _build_kernel() -> Any:
     import triton
     import triton.language as tl
@@ -134,7 +109,7 @@ def _build_kernel() -> Any:
     except ImportError:  # older layouts
         from triton.language.extra.cuda import libdevice  # type: ignore[no-redef]
 
-    first_tensor = _device_helpers()["first_tensor"]
+    first_tensor = device_helpers()["first_tensor"]
 
     @triton.jit
     def _max_nan(a, b):
@@ -311,7 +286,6 @@ def _build_kernel() -> Any:
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_sm_count: dict[int, int] = {}
 
 
 def _p_kind(norm_type: float) -> int:
@@ -342,17 +316,8 @@ def _workspace(device: torch.device, stream: int, n: int, num_progs: int) -> dic
     return ws
 
 
-def _sm_count_of(device: torch.device) -> int:
-    """The device's SM count (cached: the property query costs microseconds)."""
-    sms = _sm_count.get(device.index)  # type: ignore[arg-type]
-    if sms is None:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        _sm_count[device.index] = sms  # type: ignore[index]
-    return sms
-
-
 def _programs(kernel_key: tuple, device: torch.device) -> int:
-    return _sm_count_of(device) * _programs_per_sm.get(kernel_key, _DEFAULT_PROGRAMS_PER_SM)
+    return sm_count_of(device) * _programs_per_sm.get(kernel_key, _DEFAULT_PROGRAMS_PER_SM)
 
 
 def _learn_occupancy(kernel_key: tuple, compiled: Any, device: torch.device) -> None:
@@ -372,16 +337,6 @@ def _learn_occupancy(kernel_key: tuple, compiled: Any, device: torch.device) -> 
         _programs_per_sm[kernel_key] = _DEFAULT_PROGRAMS_PER_SM
 
 
-def _element_offsets(ptrs: Any, esize: int) -> tuple[Any, bool] | None:
-    """Offsets in elements of the addresses ``ptrs`` (numpy int64) from the first one, and
-    whether every address is 16-byte aligned; None if an offset is not a whole number of
-    elements (the kernels address every tensor from the first one's pointer)."""
-    delta = ptrs - ptrs[0]
-    if (delta % esize).any():
-        return None
-    return delta // esize, not (ptrs & 15).any()
-
-
 def _norm_bits(norm_type: float) -> Any:
     """The table's norm-type slot: ``p`` as a float64 bit pattern (0 for inf)."""
     import numpy as np
@@ -396,7 +351,7 @@ class StatsTable:
     tensors, offsets in elements from the first of them.
 
     It keeps no tensor: at every call ``refresh`` checks the tensors' addresses against the
-    ones the offsets were computed from (``_arg_table.same_addresses``) and the caller has
+    ones the offsets were computed from (``device_table.same_addresses``) and the caller has
     matched their numels (the cache key), so everything the kernel reads is re-verified
     against tensors the caller holds; only the offsets (tensors that moved) or the norm type
     are re-uploaded.
@@ -442,7 +397,7 @@ class StatsTable:
         if self.table is None or not same_addresses(tensors, self.ptrs, self.keep):
             ptrs = addresses(tensors)
             kept = np.fromiter((ptrs[i] for i in self.keep), dtype=np.int64, count=n)
-            located = _element_offsets(kept, tensors[self.first].element_size())
+            located = element_offsets(kept, tensors[self.first].element_size())
             if located is None:
                 return False
             self.ptrs, self.aligned = ptrs, located[1]
@@ -589,7 +544,7 @@ def shard_contribution(
 ) -> torch.Tensor | None:
     """The contribution of ``tensors`` (one device and dtype: the caller's bucket) from one fused
     kernel, or None when the fused path does not apply. Same contract and result as
-    ``mfsdp_optim._stats_math.shard_contribution()`` up to float64 rounding order, except that
+    ``mfsdp_optim.stats._math.shard_contribution()`` up to float64 rounding order, except that
     the result is deterministic and never needs more than one launch."""
     if not tensors:
         return None
@@ -622,8 +577,8 @@ def _mixed_contribution(
     count_zeros: bool,
 ) -> torch.Tensor | None:
     """Fused over the contiguous tensors, the reference path over the strided ones."""
-    from ._stats_math import combine_contributions
-    from ._stats_math import shard_contribution as reference
+    from ._math import combine_contributions
+    from ._math import shard_contribution as reference
 
     dense = [t for t in tensors if t.is_contiguous() and t.numel() > 0]
     strided = [t for t in tensors if not t.is_contiguous() and t.numel() > 0]

@@ -27,24 +27,24 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ._buckets import Buckets, bucket_local_shards
-from ._clip import check_max_norm, clip_divisor, scale_by_clip_coef_
-from ._config import OptimizerConfig
-from ._dispatch import Route, base_step, detect_precision_aware, route_of
-from ._fast_step import FastAdamStep
-from ._hyper import check_param_groups
-from ._params import ParamRecord
-from ._prepare import Preparer
-from ._reduce import (
+from .._infra.params import ParamRecord
+from ..stats._buckets import Buckets, bucket_local_shards
+from ..stats._clip import check_max_norm, clip_divisor, scale_by_clip_coef_
+from ..stats._reduce import (
     GradStats,
     packed_values,
     reduce_buckets,
     reduce_buckets_deferred,
     reduce_buckets_read,
 )
+from ._config import OptimizerConfig
+from ._dispatch import Route, base_step, detect_precision_aware, route_of
+from ._fast_step import FastAdamStep
+from ._grad_scaler import GradScaler
+from ._hyper import check_param_groups
+from ._prepare import Preparer
 from ._slots import SlotTable
 from ._triton_adam import TritonAdam
-from .grad_scaler import GradScaler
 
 __all__ = ["FullyShardedOptimizer", "OptimizerConfig", "Stage"]
 
@@ -68,9 +68,9 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
             torch optimizer: its ``param_groups`` and ``state`` are exactly what stock torch
             keeps, so dropping the wrapper continues training with plain torch.
         config: Clipping, norm type, zero counting, the grad-stats group and extras
-            ([OptimizerConfig][mfsdp_optim.optimizer.OptimizerConfig]).
-        grad_scaler: A [ConstantGradScaler][mfsdp_optim.grad_scaler.ConstantGradScaler] or
-            [DynamicGradScaler][mfsdp_optim.grad_scaler.DynamicGradScaler]; steps with NaN/inf
+            ([OptimizerConfig][mfsdp_optim.optim.OptimizerConfig]).
+        grad_scaler: A [ConstantGradScaler][mfsdp_optim.optim.ConstantGradScaler] or
+            [DynamicGradScaler][mfsdp_optim.optim.DynamicGradScaler]; steps with NaN/inf
             grads on any rank are then skipped on every rank.
         init_state_fn: Creates the base optimizer's state for checkpoint loading
             (``sharded_state_dict(is_loading=True)``), instead of a scratch step.
@@ -581,7 +581,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         Returns:
             This rank's fsdp_dtensor state dict, for ``torch.distributed.checkpoint``.
         """
-        from .checkpoint import build_sharded_state_dict
+        from ..checkpoint import build_sharded_state_dict
 
         records = self._param_records()
         self.invalidate_caches()  # init_state_fn may create or replace state
@@ -639,7 +639,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
             if keys == _STOCK_KEYS:
                 self.optimizer.load_state_dict(state_dict)
             elif keys == _SHARDED_KEYS:
-                from .checkpoint import load_sharded_state_dict
+                from ..checkpoint import load_sharded_state_dict
 
                 records = self._param_records()
                 load_sharded_state_dict(self.optimizer, records, state_dict)

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ._buckets import BucketKey, Buckets, layout_of
-from ._placement import in_layout_of
+from .._infra.placement import in_layout_of
+from ..stats._buckets import BucketKey, Buckets, layout_of
 from ._slots import Slot
 
 __all__ = ["PreparePlan", "Preparer"]

@@ -8,7 +8,7 @@ from dataclasses import KW_ONLY, dataclass
 
 import torch.distributed as dist
 
-from ._stats_math import check_norm_type
+from ..stats._math import check_norm_type
 
 __all__ = ["OptimizerConfig"]
 
@@ -24,11 +24,11 @@ def _flag(value: object, name: str, allow_none: bool = False) -> bool | None:
 
 @dataclass
 class OptimizerConfig:
-    """Options of [FullyShardedOptimizer][mfsdp_optim.optimizer.FullyShardedOptimizer].
+    """Options of [FullyShardedOptimizer][mfsdp_optim.optim._optimizer.FullyShardedOptimizer].
 
     Attributes:
         clip_grad: Clip the global grad norm to this value before each update (0: no clipping).
-        norm_type: The norm [step()][mfsdp_optim.optimizer.FullyShardedOptimizer.step] reports and
+        norm_type: The norm [step()][mfsdp_optim.optim.FullyShardedOptimizer.step] reports and
             clips by (any p > 0, or inf).
         log_num_zeros_in_grad: Also count zero grad elements (returned by ``step()``).
         grad_stats_group: The group grad statistics are summed over (default WORLD); it must
@@ -43,7 +43,7 @@ class OptimizerConfig:
             FusedAdam with ``master_weights``/``use_decoupled_grad``).
         triton_adam_step: Keyword-only. True (the default): on CUDA, step ``torch.optim.Adam``/
             ``AdamW`` groups with ``fused=True`` through this package's Triton kernel (see
-            ``mfsdp_optim._triton_adam``; elsewhere, and where it does not apply, torch's kernel
+            ``optim._triton_adam``; elsewhere, and where it does not apply, torch's kernel
             runs): the clip is applied inside the update and the grads are not written (28
             bytes per fp32 element instead of 32 with clipping). It differs from torch's kernel
             in two ways: float32 rounding (a few ulps; at least as accurate against float64),

@@ -26,10 +26,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from .._infra.comm import HostRead, _all_gather_flat, collective_device
 from . import _fused
 from ._buckets import Buckets
-from ._comm import HostRead, _all_gather_flat, collective_device
-from ._stats_math import (
+from ._math import (
     NONFINITE_SLOT,
     NORM_SLOT,
     ZEROS_SLOT,
@@ -185,7 +185,7 @@ def reduce_buckets_deferred(
     (the message gather when some rank failed, the raise) and returns the host values of
     ``reduce_buckets_read``, so a caller can enqueue device work that ``bad`` gates (the
     wrapper's fused update) before the host waits. The host copy is enqueued here, before that
-    work (``_comm.HostRead``): ``verdict()`` waits for the statistics, not for the update.
+    work (``comm.HostRead``): ``verdict()`` waits for the statistics, not for the update.
     A rank whose own input failed gets a ``verdict`` that raises at once; it must still call it
     at the same point as its peers, which issue the message gather there.
     """

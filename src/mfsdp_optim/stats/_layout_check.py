@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ._comm import all_gather_objects
-from ._slots import strip_compile_prefix
+from .._infra.comm import all_gather_objects
+from .._infra.params import strip_compile_prefix
 
 __all__ = ["DuplicatedParam", "check_layout"]
 

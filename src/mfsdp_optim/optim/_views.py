@@ -29,27 +29,11 @@ from contextlib import contextmanager
 import torch
 from torch.distributed.tensor import DTensor
 
-from ._group_lists import aligned_lists
-from ._placement import in_layout_of
+from .._infra.group_lists import aligned_lists
+from .._infra.placement import as_stock_value
 from ._slots import Slot
 
-__all__ = ["SCALAR_STATE_KEYS", "as_stock_value", "local_shard_view"]
-
-# scalar state of torch's optimizers (step counters, ASGD's eta and mu)
-SCALAR_STATE_KEYS = frozenset({"step", "eta", "mu"})
-
-
-def as_stock_value(key: str, value: object, param: DTensor, local: torch.Tensor) -> object:
-    """``value``, a state entry created on ``local`` (``param``'s local shard), as stock torch
-    would hold it for ``param``."""
-    if (
-        isinstance(value, torch.Tensor)
-        and not isinstance(value, DTensor)
-        and value.shape == local.shape
-        and (local.dim() > 0 or key not in SCALAR_STATE_KEYS)
-    ):
-        return in_layout_of(value, param)
-    return value
+__all__ = ["local_shard_view"]
 
 
 def _local_value(value: object) -> object:

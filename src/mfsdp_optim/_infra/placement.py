@@ -17,6 +17,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 __all__ = [
+    "SCALAR_STATE_KEYS",
+    "as_stock_value",
     "LayoutInfo",
     "in_layout_of",
     "layout_info",
@@ -115,3 +117,20 @@ def in_layout_of(local: torch.Tensor, like: DTensor) -> DTensor:
         shape=like.shape,
         stride=like.stride(),
     )
+
+
+# scalar state of torch's optimizers (step counters, ASGD's eta and mu)
+SCALAR_STATE_KEYS = frozenset({"step", "eta", "mu"})
+
+
+def as_stock_value(key: str, value: object, param: DTensor, local: torch.Tensor) -> object:
+    """``value``, a state entry created on ``local`` (``param``'s local shard), as stock torch
+    would hold it for ``param``."""
+    if (
+        isinstance(value, torch.Tensor)
+        and not isinstance(value, DTensor)
+        and value.shape == local.shape
+        and (local.dim() > 0 or key not in SCALAR_STATE_KEYS)
+    ):
+        return in_layout_of(value, param)
+    return value

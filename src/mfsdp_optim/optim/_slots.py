@@ -19,15 +19,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ._group_lists import aligned_lists
-from ._placement import mesh_ranks_outside_group
+from .._infra.group_lists import aligned_lists
+from .._infra.params import strip_compile_prefix
+from .._infra.placement import mesh_ranks_outside_group
 
 if TYPE_CHECKING:
-    from ._buckets import BucketKey
+    from ..stats._buckets import BucketKey
 
-__all__ = ["Slot", "SlotTable", "fqn_map", "strip_compile_prefix"]
-
-_COMPILE_PREFIX = "_orig_mod"
+__all__ = ["Slot", "SlotTable", "fqn_map"]
 
 
 class Slot:
@@ -60,11 +59,6 @@ class Slot:
         self.bucket_key: BucketKey | None = None
         # the fast step's grad list of this param's group (see _fast_step); None: not cached
         self.fast_list: list[torch.Tensor] | None = None
-
-
-def strip_compile_prefix(name: str) -> str:
-    """``name`` without ``torch.compile``'s ``_orig_mod`` component (stock DCP's FQN)."""
-    return ".".join(part for part in name.split(".") if part != _COMPILE_PREFIX)
 
 
 def fqn_map(model_chunks: Sequence[torch.nn.Module]) -> dict[int, str]:

@@ -1,0 +1,21 @@
+"""The wrapper layer: ``FullyShardedOptimizer``, the mixed-precision step contract.
+
+Map: ``_optimizer`` the public class (stages, hooks, scaler and checkpoint adapters);
+``_config`` its options; ``_grad_scaler`` the loss scalers; ``_slots`` the table of the base
+optimizer's params; ``_prepare`` unscale, cast and bucket the grads; ``_dispatch`` which base
+step runs; ``_views`` the base step on local shards; ``_fast_step`` and ``_triton_adam`` the
+direct Adam/AdamW step; ``_hyper`` hyperparameter checks. Uses ``stats``, ``checkpoint`` and
+``_infra``; nothing below imports it.
+"""
+
+from ._config import OptimizerConfig
+from ._grad_scaler import ConstantGradScaler, DynamicGradScaler, GradScaler
+from ._optimizer import FullyShardedOptimizer
+
+__all__ = [
+    "ConstantGradScaler",
+    "DynamicGradScaler",
+    "FullyShardedOptimizer",
+    "GradScaler",
+    "OptimizerConfig",
+]
