@@ -44,8 +44,7 @@ from torch.distributed.tensor import DTensor, Shard
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 import mfsdp_optim  # noqa: E402
-from mfsdp_optim import _fused  # noqa: E402
-from mfsdp_optim.stats import _buckets
+from mfsdp_optim.stats import _buckets, _fused  # noqa: E402
 
 SETS = [("300x4096x1024", 300, (4096, 1024)), ("3000x512x256", 3000, (512, 256))]
 
