@@ -433,8 +433,8 @@ def main() -> None:
             notes = ", ".join(
                 f"{k}: {w.fast_steps} fast steps, {w.clip_folds} clip folds"
                 + (
-                    f", {w._triton.launches} triton launches, {w._triton.builds} table builds"
-                    if getattr(w, "_triton", None) and w._triton.launches
+                    f", {tri.launches} triton launches, {tri.builds} table builds"
+                    if (tri := w._engines[0].triton) and tri.launches
                     else ""
                 )
                 for k, w in wrappers.items()

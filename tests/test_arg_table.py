@@ -299,7 +299,7 @@ def _rank_fast_step_holder():
         seen.append((holder, len(grads), grad_dtype))
         return False  # torch's kernel runs
 
-    opt._triton = types.SimpleNamespace(step=record, launches=0)
+    opt._engines[0].triton = types.SimpleNamespace(step=record, launches=0)
 
     def grads(which):
         for i, p in enumerate(params):

@@ -353,7 +353,7 @@ def _rank_invalidation():
     both(2)
     out["after_replace"] = a.fast_steps
     assert a.param_groups[0]["params"][0] is p[0]  # transparent: the user's DTensor
-    assert a._fast._groups[0].params[0] is p[0]._local_tensor
+    assert a._engines[0].fast._groups[0].params[0] is p[0]._local_tensor
 
     # add_param_group: the new params have no state yet (generic once), then fast again
     a.add_param_group({"params": extra_a, "lr": 0.02})
@@ -374,7 +374,7 @@ def _rank_invalidation():
     # the cache follows the new state objects (an update into the old ones would not show)
     assert all(
         t is a.state[x]["exp_avg"]._local_tensor
-        for x, t in zip(a.param_groups[0]["params"], a._fast._groups[0].exp_avgs)
+        for x, t in zip(a.param_groups[0]["params"], a._engines[0].fast._groups[0].exp_avgs)
     )
 
     # amsgrad switched off for a group: rebuilt without max_exp_avg_sq lists

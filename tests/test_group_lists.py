@@ -25,6 +25,8 @@ LR, MOMENTUM, STEPS = 0.05, 0.9, 3
 class MasterSGD(torch.optim.Optimizer):
     """Momentum SGD on fp32 master copies, laid out as apex's FusedAdam lays out its masters."""
 
+    mfsdp_update_kind = "elementwise"  # declared: the wrapper may step its local shards
+
     def __init__(self, params, lr: float, momentum: float, tensor_step: bool = False):
         super().__init__(params, {"lr": lr, "momentum": momentum})
         self.tensor_step = tensor_step  # apex capturable: the group step is a shape-[1] tensor

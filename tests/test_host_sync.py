@@ -217,7 +217,7 @@ def test_host_sync_false_never_syncs_on_cuda(tmp_path, variant):
         assert oks == [True, True, False, True, True], oks
         assert opt.fast_steps == 5
         if triton:  # every fast step took the Triton update, the skipped one included
-            assert opt._triton.launches == 5
+            assert opt._engines[0].triton.launches == 5
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -243,7 +243,7 @@ def test_host_sync_true_returns_before_the_update_finishes(tmp_path, variant):
             OptimizerConfig(clip_grad=0.5, triton_adam_step=variant == "triton"),
             grad_scaler=DynamicGradScaler(2.0**4) if variant == "scaler" else None,
         )
-        original = opt._fast.step
+        original = opt._engines[0].fast.step
 
         def delayed(*args, **kwargs):  # the update's kernels start about 0.1 s late
             torch.cuda._sleep(200_000_000)
@@ -256,7 +256,8 @@ def test_host_sync_true_returns_before_the_update_finishes(tmp_path, variant):
             want = torch.cat([g.double().flatten() for g in grads]).norm().item()
             before = params[0]._local_tensor.clone()
             torch.cuda.synchronize()
-            opt._fast.step = delayed if step > 1 else original  # warm-up: see the docstring
+            # warm-up: see the docstring
+            opt._engines[0].fast.step = delayed if step > 1 else original
             ok, norm, _ = opt.step()
             busy = not torch.cuda.current_stream().query()
             torch.cuda.synchronize()

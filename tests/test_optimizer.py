@@ -149,7 +149,9 @@ def _train_and_compare(
         key = next(k for k, v in ref_state_t.items() if torch.is_tensor(v) and v.dim() > 0)
         ref_state_t[key][-1, -1] += 1e-4
     n_state = 0
-    for rec in opt._param_records():
+    from mfsdp_optim.optim._checkpointing import records_of
+
+    for rec in records_of(opt._engines[0]):
         torch.testing.assert_close(
             rec.param.full_tensor(),
             ref_params[rec.fqn].detach(),

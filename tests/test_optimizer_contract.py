@@ -272,7 +272,9 @@ def _rank_cast_sched_hooks_rebind():
         torch.testing.assert_close(p.full_tensor(), ref_p.detach())
     assert list(base.state) == [p] and all(base.state[p][k] is v for k, v in before.items())
     assert base.param_groups[0]["params"][0] is p
-    rec = opt._param_records()
+    from mfsdp_optim.optim._checkpointing import records_of
+
+    rec = records_of(opt._engines[0])
     assert [r.fqn for r in rec] == ["w"] and rec[0].opt_param is p
     return True
 
@@ -410,7 +412,7 @@ def _rank_add_param_group():
     def refused(key, opt, group):
         """add_param_group must raise and leave groups, state and names as they were."""
         groups_before = [list(g["params"]) for g in opt.param_groups]
-        names_before = [s.fqn for s in opt._table.slots]
+        names_before = [s.fqn for s in opt._engines[0].table.slots]
         try:
             opt.add_param_group(group)
         except Exception as exc:  # noqa: BLE001 - the test inspects type and message
@@ -418,12 +420,12 @@ def _rank_add_param_group():
         else:
             errors[key] = None
         assert [list(g["params"]) for g in opt.param_groups] == groups_before, key
-        assert [s.fqn for s in opt._table.slots] == names_before, key
+        assert [s.fqn for s in opt._engines[0].table.slots] == names_before, key
 
     # without model_chunks, params are named by position over all groups: no collisions
     opt = FullyShardedOptimizer(torch.optim.Adam(first.parameters(), lr=1e-2))
     opt.add_param_group({"params": list(second.parameters()), "lr": 2e-2})
-    names = [s.fqn for s in opt._table.slots]
+    names = [s.fqn for s in opt._engines[0].table.slots]
     refused("again", opt, {"params": [next(second.parameters())]})
     refused("plain", opt, {"params": [torch.nn.Parameter(torch.ones(2))]})
     # with model_chunks, a param from outside them is refused before anything changes

@@ -310,7 +310,8 @@ def _wrapper_run(triton: bool | None):
         for k in rst:
             mine = st[k]._local_tensor if hasattr(st[k], "_local_tensor") else st[k]
             torch.testing.assert_close(mine, rst[k], rtol=1e-5, atol=1e-6)
-    return opt._triton.launches if opt._triton is not None else 0, opt.fast_steps
+    tri = opt._engines[0].triton
+    return tri.launches if tri is not None else 0, opt.fast_steps
 
 
 @cuda
@@ -356,7 +357,8 @@ def _rank_unbuildable():
                 for p in params
             ]
             runs[name] = ([p._local_tensor.clone() for p in params], state, notes)
-            runs[name + " launches"] = opt._triton.launches if opt._triton else 0
+            tri = opt._engines[0].triton
+            runs[name + " launches"] = tri.launches if tri else 0
         failed = _triton_adam._state["failed"]
     finally:
         _triton_adam._state.clear()
@@ -407,7 +409,7 @@ def _rank_cpu(triton: bool):
             )
         opt.step()
         opt.zero_grad()
-    launches = opt._triton.launches if opt._triton is not None else 0
+    launches = opt._engines[0].triton.launches if opt._engines[0].triton is not None else 0
     return [p._local_tensor.clone() for p in params], launches
 
 
@@ -516,7 +518,7 @@ def _wrapper_reload_run(n_params: int):
         ref_opt.zero_grad()
     for p, q in zip(params, ref):
         torch.testing.assert_close(p._local_tensor, q.detach(), rtol=1e-5, atol=1e-6)
-    return opt._triton.launches, opt._triton.builds, opt.fast_steps
+    return opt._engines[0].triton.launches, opt._engines[0].triton.builds, opt.fast_steps
 
 
 @cuda

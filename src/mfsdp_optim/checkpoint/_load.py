@@ -352,11 +352,25 @@ def load_sharded_state_dict(
         StateDictMismatchError: On every rank, listing everything any rank found (a
             ``ValueError``); no optimizer changed.
     """
-    try:
-        state_dict = as_format1(_own_leaves(state_dict, records))
-        errors = _validate(optimizer, records, state_dict)
-    except Exception as exc:  # never leave the other ranks waiting in the collective
-        errors = [f"validation failed: {type(exc).__name__}: {exc}"]
+    load_sharded_state_dicts([(optimizer, records, state_dict)], group=group)
+
+
+def load_sharded_state_dicts(
+    parts: Sequence[tuple[torch.optim.Optimizer, Sequence[ParamRecord], dict]],
+    *,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """``load_sharded_state_dict`` for several base optimizers over disjoint params: every part
+    is validated and the ranks agree once before any optimizer changes (all or nothing)."""
+    errors: list[str] = []
+    converted = []
+    for optimizer, records, state_dict in parts:
+        try:
+            sd = as_format1(_own_leaves(state_dict, records))
+            errors += _validate(optimizer, records, sd)
+            converted.append(sd)
+        except Exception as exc:  # never leave the other ranks waiting in the collective
+            errors.append(f"validation failed: {type(exc).__name__}: {exc}")
     errors = _agree(errors, group)
     if errors:
         shown = errors[:40]
@@ -366,4 +380,5 @@ def load_sharded_state_dict(
             + "\n  ".join(shown)
             + more
         )
-    _apply(optimizer, records, state_dict)
+    for (optimizer, records, _), sd in zip(parts, converted, strict=True):
+        _apply(optimizer, records, sd)

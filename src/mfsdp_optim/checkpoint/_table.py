@@ -74,6 +74,22 @@ class GroupMetaTable:
 
     # -- the per-FQN view of a format-2 dict ------------------------------------------------
 
+    @classmethod
+    def concat(cls, tables: list[GroupMetaTable]) -> GroupMetaTable:
+        """One table over the disjoint FQNs of ``tables`` (several base optimizers), in order."""
+        hypers: list[tuple] = []
+        scalars: list[tuple] = []
+        index: dict[str, tuple[int, int]] = {}
+        for t in tables:
+            h0, s0 = len(hypers), len(scalars)
+            hypers += t._hypers
+            scalars += t._scalars
+            for fqn, (h, sc) in t._index.items():
+                if fqn in index:
+                    raise ValueError(f"param {fqn!r} is in two of the tables to concatenate")
+                index[fqn] = (h0 + h, s0 + sc)
+        return cls(tuple(hypers), tuple(scalars), index)
+
     def __getitem__(self, fqn: str) -> Leaf:
         h, s = self._index[fqn]
         return self._hypers[h], self._scalars[s]

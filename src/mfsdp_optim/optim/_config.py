@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import KW_ONLY, dataclass
+from collections.abc import Mapping
+from dataclasses import KW_ONLY, dataclass, field
 
 import torch.distributed as dist
 
 from ..stats._math import check_norm_type
+from ._kinds import check_update_kinds
 
 __all__ = ["OptimizerConfig"]
 
@@ -24,7 +26,7 @@ def _flag(value: object, name: str, allow_none: bool = False) -> bool | None:
 
 @dataclass
 class OptimizerConfig:
-    """Options of [FullyShardedOptimizer][mfsdp_optim.optim._optimizer.FullyShardedOptimizer].
+    """Options of [FullyShardedOptimizer][mfsdp_optim.optim.FullyShardedOptimizer].
 
     Attributes:
         clip_grad: Clip the global grad norm to this value before each update (0: no clipping).
@@ -52,6 +54,11 @@ class OptimizerConfig:
         host_sync: Keyword-only. True: ``step()`` returns Python values, which costs one
             device-to-host copy per step. False: it returns 0-d device tensors and never waits
             for the device (see ``docs/concepts.md``).
+        update_kinds: Keyword-only. ``{optimizer class: "elementwise" | "whole_param"}`` for
+            classes the package does not know (see ``docs/optimizers.md``): "elementwise" steps
+            local shards (every element's update reads only that element); "whole_param"
+            computes each param's update on the whole param. Unknown classes default to
+            "whole_param" (exact), with a warning.
     """
 
     clip_grad: float = 0.0
@@ -63,6 +70,7 @@ class OptimizerConfig:
     precision_aware: bool | None = None
     triton_adam_step: bool = True
     host_sync: bool = True
+    update_kinds: Mapping[type, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         clip = self.clip_grad
@@ -86,3 +94,4 @@ class OptimizerConfig:
         self.precision_aware = _flag(self.precision_aware, "precision_aware", allow_none=True)
         self.triton_adam_step = bool(_flag(self.triton_adam_step, "triton_adam_step"))
         self.host_sync = bool(_flag(self.host_sync, "host_sync"))
+        self.update_kinds = check_update_kinds(self.update_kinds)

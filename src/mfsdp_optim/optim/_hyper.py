@@ -1,10 +1,11 @@
 """Hyperparameter checks run before a step changes anything.
 
 A NaN ``lr`` or ``eps`` (often an lr scheduler's bug) would turn every param of its group into
-NaN; a string ``lr`` would fail halfway through the step, after counters moved. Each known
-numeric key of every param group is checked for type, finiteness and range. Python numbers and
-CPU tensors are read; an accelerator tensor (capturable or fused optimizers) is left alone,
-since reading it would synchronise with the device.
+NaN; a string ``lr`` would fail halfway through the step, after counters moved. Each key of a
+param group is checked against the type of the optimizer class's own default for it (a number,
+a flag, a tuple such as ``betas`` or Adafactor's ``eps=(None, 1e-3)``), numbers also for
+finiteness and the ranges below. Python numbers and CPU tensors are read; an accelerator
+tensor (capturable or fused optimizers) is left alone, since reading it would synchronise.
 """
 
 from __future__ import annotations
@@ -51,16 +52,57 @@ def _check(where: str, value: Any, low: float, fix: str) -> None:
             f"{where} is {value!r} ({type(value).__name__}); it must be a number. {fix}"
         ) from None
     if x is not None and not (math.isfinite(x) and x >= low):
-        raise ValueError(f"{where} is {x}: it must be a finite number >= {low:g}. {fix}")
+        bound = f" >= {low:g}" if math.isfinite(low) else ""
+        raise ValueError(f"{where} is {x}: it must be a finite number{bound}. {fix}")
 
 
-def check_param_groups(groups: list[dict[str, Any]]) -> None:
-    """Raise TypeError/ValueError naming the group and key of the first bad hyperparameter."""
+def _check_like(where: str, value: Any, default: Any, low: float, fix: str) -> None:
+    """``value`` against the class's ``default`` for its key: same kind, numbers in range."""
+    if default is None or value is None:
+        return  # the class takes None here (e.g. an optional eps or foreach): nothing to compare
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"{where} is {value!r} ({type(value).__name__}); it must be a bool. {fix}"
+            )
+        return
+    if isinstance(default, (numbers.Real, torch.Tensor)):
+        _check(where, value, low, fix)
+        return
+    if isinstance(default, tuple):
+        if not isinstance(value, (tuple, list)) or len(value) != len(default):
+            raise TypeError(
+                f"{where} is {value!r}; it must be a tuple of {len(default)} like the default "
+                f"{default!r}. {fix}"
+            )
+        for j, (v, d) in enumerate(zip(value, default, strict=True)):
+            _check_like(f"{where}[{j}]", v, d, low, fix)
+        return
+    if isinstance(default, str) and not isinstance(value, str):
+        raise TypeError(f"{where} is {value!r} ({type(value).__name__}); it must be a str. {fix}")
+
+
+def check_param_groups(
+    groups: list[dict[str, Any]], defaults: dict[str, Any] | None = None
+) -> None:
+    """Raise TypeError/ValueError naming the group and key of the first bad hyperparameter.
+
+    Args:
+        groups: The optimizer's param groups.
+        defaults: The optimizer's ``defaults``: each key's type is read from its default there;
+            the keys of ``_LOWEST`` are checked as numbers when the class has no default."""
     fix = "Fix the value (or the lr scheduler that set it); nothing was updated."
+    defaults = defaults or {}
     for i, group in enumerate(groups):
-        for key, low in _LOWEST.items():
-            if key in group and group[key] is not None:
-                _check(f"param_groups[{i}][{key!r}]", group[key], low, fix)
+        for key, value in group.items():
+            if key == "params" or value is None:
+                continue
+            where = f"param_groups[{i}][{key!r}]"
+            low = _LOWEST.get(key, -math.inf)
+            if key in defaults:
+                _check_like(where, value, defaults[key], low, fix)
+            elif key in _LOWEST:
+                _check(where, value, low, fix)
         betas = group.get("betas")
         if betas is not None:
             if not isinstance(betas, (tuple, list)):

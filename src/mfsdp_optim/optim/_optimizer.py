@@ -1,50 +1,33 @@
-"""The wrapper layer: ``FullyShardedOptimizer``, any ``torch.optim`` optimizer over DTensor params.
+"""``FullyShardedOptimizer``: any ``torch.optim`` optimizer (or several) over DTensor params.
 
 The step contract (Megatron-Core's mixed-precision optimizer, on DTensors)::
 
-    step() = prepare_grads()     unscale, cast grads whose dtype differs from the param's, ONE
-                                 grad_stats collective (norm, zeros, found_inf)
+    step() = prepare (``_step``)  unscale, cast, ONE grad_stats collective over every base
+                                   optimizer's grads (norm, zeros, found_inf)
              -> found_inf and a grad scaler: skip on every rank, update the scaler
-             -> clip to config.clip_grad (folded into a fused base step where it can be)
-             -> the base step on local shards -> restore cast grads
+             -> clip to config.clip_grad -> each engine's base step (``_engine``) -> restore
 
-The wrapper never changes the user's optimizer: outside ``step()`` its param groups hold the
-model's DTensors and its state is what stock torch keeps for them. Speed lives inside ``step()``
-(``_views``: the base step on local shards; ``_fast_step``: torch's Adam kernels on cached
-lists; ``_prepare``: a replayed prepare plan) and in the wrapper's private fields. Where each
-concern lives: options ``_config``, param table ``_slots``, grads ``_prepare``, which step runs
-``_dispatch``, hyperparameter checks ``_hyper``, the reduction ``_reduce``, clipping ``_clip``.
+This class keeps the stages, the config, torch's hook surface, and the scaler and checkpoint
+adapters (``_checkpointing``); each base optimizer's caches live in its ``Engine``.
 """
 
 from __future__ import annotations
 
+import collections
 import enum
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._infra.params import ParamRecord
-from ..stats._buckets import Buckets, bucket_local_shards
 from ..stats._clip import check_max_norm, clip_divisor, scale_by_clip_coef_
-from ..stats._reduce import (
-    GradStats,
-    packed_values,
-    reduce_buckets,
-    reduce_buckets_deferred,
-    reduce_buckets_read,
-)
+from . import _checkpointing
 from ._config import OptimizerConfig
-from ._dispatch import Route, base_step, detect_precision_aware, route_of
-from ._fast_step import FastAdamStep
+from ._engine import Engine
 from ._grad_scaler import GradScaler
-from ._hyper import check_param_groups
-from ._prepare import Preparer
-from ._slots import SlotTable
-from ._triton_adam import TritonAdam
+from ._step import Prepared, StepResult, prepare, stats_of
 
 __all__ = ["FullyShardedOptimizer", "OptimizerConfig", "Stage"]
 
@@ -60,41 +43,51 @@ class Stage(enum.Enum):
     STEPPED = "STEPPED"  # the grads were used; zero_grad() or the next backward next
 
 
+def _check_bases(optimizer: Any) -> list[torch.optim.Optimizer]:
+    bases = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    if not bases:
+        raise ValueError("optimizer is an empty sequence; pass at least one base optimizer")
+    for i, o in enumerate(bases):
+        where = "optimizer" if len(bases) == 1 else f"optimizer[{i}]"
+        if isinstance(o, FullyShardedOptimizer):
+            raise TypeError(f"{where} is already a FullyShardedOptimizer; wrap the base one")
+        if not isinstance(o, torch.optim.Optimizer):
+            raise TypeError(f"{where} must be a torch.optim.Optimizer, got {type(o).__name__}")
+    return bases
+
+
 class FullyShardedOptimizer(torch.optim.Optimizer):
     """Any ``torch.optim.Optimizer`` over DTensor params (FSDP2, HSDP, TP+FSDP, expert meshes).
 
     Args:
-        optimizer: The base optimizer, built over the model's DTensor params. It stays a stock
-            torch optimizer: its ``param_groups`` and ``state`` are exactly what stock torch
-            keeps, so dropping the wrapper continues training with plain torch.
+        optimizer: The base optimizer, built over the model's DTensor params, or a sequence of
+            base optimizers over disjoint params (e.g. ``[Muon(2-D weights), AdamW(rest)]``):
+            one grad-stats collective, one clip and one skip decision cover all of them. Each
+            stays a stock torch optimizer: dropping the wrapper continues training with plain
+            torch.
         config: Clipping, norm type, zero counting, the grad-stats group and extras
             ([OptimizerConfig][mfsdp_optim.optim.OptimizerConfig]).
         grad_scaler: A [ConstantGradScaler][mfsdp_optim.optim.ConstantGradScaler] or
-            [DynamicGradScaler][mfsdp_optim.optim.DynamicGradScaler]; steps with NaN/inf
-            grads on any rank are then skipped on every rank.
-        init_state_fn: Creates the base optimizer's state for checkpoint loading
+            [DynamicGradScaler][mfsdp_optim.optim.DynamicGradScaler]; steps with NaN/inf grads on
+            any rank are then skipped on every rank.
+        init_state_fn: Creates a base optimizer's state for checkpoint loading
             (``sharded_state_dict(is_loading=True)``), instead of a scratch step.
         model_chunks: The modules whose ``named_parameters()`` name the params (FQNs).
 
-    ``param_groups``, ``state`` and ``defaults`` are the base optimizer's; lr schedulers accept
-    the wrapper; torch's global step hooks and the wrapper's own hooks fire once per
-    ``step()``, the base optimizer's hooks whenever its ``step()`` runs.
+    ``param_groups`` is the base optimizers' groups (the same dicts), ``state`` their state;
+    lr schedulers accept the wrapper; torch's global step hooks and the wrapper's own hooks fire
+    once per ``step()``, the base optimizers' hooks whenever their ``step()`` runs.
     """
 
     def __init__(
         self,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
         config: OptimizerConfig | None = None,
         grad_scaler: GradScaler | None = None,
         init_state_fn: Callable[[torch.optim.Optimizer], None] | None = None,
         model_chunks: Sequence[torch.nn.Module] = (),
     ):
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-            )
-        if isinstance(optimizer, FullyShardedOptimizer):
-            raise TypeError("optimizer is already a FullyShardedOptimizer; wrap the base one")
+        bases = _check_bases(optimizer)
         if config is not None and not isinstance(config, OptimizerConfig):
             raise TypeError(f"config must be an OptimizerConfig, got {type(config).__name__}")
         if grad_scaler is not None and not isinstance(grad_scaler, GradScaler):
@@ -102,51 +95,40 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
                 "grad_scaler must be a mfsdp_optim GradScaler (ConstantGradScaler or "
                 f"DynamicGradScaler), got {type(grad_scaler).__name__}"
             )
-        # torch.optim.Optimizer.__init__ without the param groups (the base optimizer owns them)
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
+        # torch.optim.Optimizer.__init__ without the param groups (the base optimizers own them)
+        for kind in ("step_pre", "step_post", "state_dict_pre", "state_dict_post"):
+            setattr(self, f"_optimizer_{kind}_hooks", OrderedDict())
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self._patch_step_function()  # torch's hook machinery around step()
-
-        self.optimizer = optimizer
+        self.optimizers = bases
         self.config = config if config is not None else OptimizerConfig()
         self.grad_scaler = grad_scaler
         self._init_state_fn = init_state_fn
         self.model_chunks = list(model_chunks)
-        aware, self._decoupled_grad = detect_precision_aware(optimizer)
-        if self.config.precision_aware is not None:
-            aware = self.config.precision_aware
-        self._precision_aware = bool(aware)
-        self._table = SlotTable(
-            optimizer,
-            self.model_chunks,
-            filter_empty=self.config.filter_empty_shards,
-            stats_group=self.config.grad_stats_group,
-        )
+        self._engines = [Engine(o, self.model_chunks, self.config) for o in bases]
+        _check_disjoint(self._engines)
         self._stage = Stage.READY
-        self._stats: GradStats | None = None
-        self._preparer = Preparer()
-        self._fast = FastAdamStep()
-        self._fast_token: object | None = None  # the fast cache this step's grads were put in
-        self._route = Route(False, False)
-        # (bad, verdict) of a deferred stats verdict (see _prepare), for the step in progress
-        self._deferred: tuple[torch.Tensor, Callable[[], list[float]]] | None = None
-        # the stats' host values read with the collective's verdict (host_sync=True)
-        self._stats_host: list[float] | None = None
-        self._triton = TritonAdam() if self.config.triton_adam_step else None
         self.last_update_successful: bool | None = None
-        self.fast_steps = 0  # steps that took the fast path (for tests and diagnostics)
-        self.clip_folds = 0  # steps whose clip rode on the fused base step (likewise)
 
     # ------------------------------------------------------------------------------------------
     # torch.optim.Optimizer surface
 
     @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The base optimizer (with several, use ``optimizers``)."""
+        if len(self.optimizers) != 1:
+            raise AttributeError(
+                f"this FullyShardedOptimizer wraps {len(self.optimizers)} base optimizers; use "
+                "wrapper.optimizers (a list) instead of wrapper.optimizer"
+            )
+        return self.optimizers[0]
+
+    @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
+        if len(self.optimizers) == 1:
+            return self.optimizers[0].param_groups
+        return [g for o in self.optimizers for g in o.param_groups]
 
     @param_groups.setter
     def param_groups(self, value: list[dict[str, Any]]) -> None:
@@ -154,7 +136,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
 
     @property
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
+        return self.optimizers[0].defaults
 
     @defaults.setter
     def defaults(self, value: dict[str, Any]) -> None:
@@ -162,36 +144,52 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
 
     @property
     def state(self):  # type: ignore[override]
-        """The base optimizer's state, keyed by the model's DTensor params."""
-        return self.optimizer.state
+        """The base optimizers' state, keyed by the model's DTensor params (read-only view
+        over several)."""
+        if len(self.optimizers) == 1:
+            return self.optimizers[0].state
+        return collections.ChainMap(*[o.state for o in self.optimizers])
 
     @state.setter
     def state(self, value) -> None:
         self.optimizer.state = value
 
     @property
+    def fast_steps(self) -> int:
+        """Steps that took the fast Adam path, summed over engines (for tests, diagnostics)."""
+        return sum(e.fast_steps for e in self._engines)
+
+    @property
+    def clip_folds(self) -> int:
+        """Steps whose clip rode on a fused base step (for tests and diagnostics)."""
+        return max(e.clip_folds for e in self._engines)
+
+    @property
     def prepare_replays(self) -> int:
         """How many prepares replayed the recorded plan (for tests and diagnostics)."""
-        return self._preparer.replays
+        return max(e.preparer.replays for e in self._engines)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of DTensor params to the base optimizer; validated like the
         constructor's groups, and on an error nothing is added."""
-        before = len(self.optimizer.param_groups)
-        self.optimizer.add_param_group(param_group)
+        engine = self._engines[0] if len(self._engines) == 1 else None
+        if engine is None:
+            raise TypeError("add the group to one of wrapper.optimizers: they are several")
+        before = len(engine.optimizer.param_groups)
+        engine.optimizer.add_param_group(param_group)
         try:
-            self._table.rebuild()
+            engine.table.rebuild()
         except Exception:
-            del self.optimizer.param_groups[before:]
+            del engine.optimizer.param_groups[before:]
             raise
         self.invalidate_caches()
 
     def invalidate_caches(self) -> None:
-        """Drop the wrapper's cached lists (rebuilt at the next step). The wrapper notices new
-        param groups, a new state mapping and replaced local shards itself; call this after
-        replacing a value inside ``optimizer.state[p]`` by hand."""
-        self._fast.invalidate()
-        self._preparer.plan = None
+        """Drop every cached view and kernel table (rebuilt at the next step). The wrapper
+        notices new param groups, a new state mapping and replaced local shards itself; call
+        this after replacing a value inside ``optimizer.state[p]`` by hand."""
+        for e in self._engines:
+            e.invalidate()
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(
@@ -200,145 +198,44 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         )
 
     def __repr__(self) -> str:
-        return f"FullyShardedOptimizer({self.optimizer!r}, config={self.config!r})"
+        inner = ", ".join(repr(o) for o in self.optimizers)
+        return f"FullyShardedOptimizer({inner}, config={self.config!r})"
 
     # ------------------------------------------------------------------------------------------
-    # grads and statistics
+    # the step
 
-    def _current_grads(self) -> list[DTensor]:
-        """The grads statistics and clipping act on now (the cast copies while PREPARED)."""
-        slots = self._table.slots
-        if self._stage is Stage.PREPARED:
-            return [s.work_grad for s in slots if s.work_grad is not None]
-        return [s.param.grad for s in slots if s.param.grad is not None]  # type: ignore[misc]
-
-    def _reduce(self, buckets: Buckets | Exception, count_zeros: bool) -> GradStats:
-        if not self._table.in_stats_group:  # a paramless rank outside the group
-            if isinstance(buckets, Exception):
-                raise buckets
-            zero = torch.zeros((), dtype=torch.float32)
-            return GradStats(
-                zero,
-                torch.zeros((), dtype=torch.int64) if count_zeros else None,
-                torch.zeros((), dtype=torch.bool),
-            )
-        kwargs: dict[str, Any] = dict(
-            norm_type=self.config.norm_type,
-            count_zeros=count_zeros,
-            group=self.config.grad_stats_group,
-        )
-        if not self.config.host_sync:
-            return reduce_buckets(buckets, host_sync=False, **kwargs)
-        stats, self._stats_host = reduce_buckets_read(buckets, **kwargs)
-        return stats
-
-    def _stats_of_current(self, count_zeros: bool) -> GradStats:
-        buckets: Buckets | Exception
-        try:
-            buckets = bucket_local_shards(self._current_grads(), self.config.grad_stats_group)
-        except Exception as exc:  # joins the collective, so no rank waits, then raises
-            buckets = exc
-        return self._reduce(buckets, count_zeros)
-
-    def _prepare(self, defer: bool = False) -> GradStats:
-        """Validate, unscale, cast, bucket, and take the stats; no host synchronisation.
-
-        ``defer``: where the fused fast step runs, postpone the collective's host-side verdict
-        (``_reduce.reduce_buckets_deferred``) until the update is enqueued, the update gated on
-        the device by "some rank failed" (``self._deferred``); see ``_step_impl``."""
+    def _prepare(self, defer: bool = False) -> Prepared:
         if self._stage is Stage.PREPARED:
             raise RuntimeError(
                 "prepare_grads() was already called for this step (the grads are already "
                 "unscaled); call step_with_ready_grads() or zero_grad() before preparing again."
             )
-        scaler = self.grad_scaler
-        try:
-            if self._table.sync():
-                self.invalidate_caches()
-            check_param_groups(self.optimizer.param_groups)
-            self._route = route_of(self.optimizer, precision_aware=self._precision_aware)
-            token = None
-            if self._route.fast:
-                # a plan recorded over this fast cache vouches for the params' local tensors
-                plan = self._preparer.plan
-                trust = (
-                    plan is not None
-                    and self._fast.token is not None
-                    and (plan.fast_token is self._fast.token)
-                )
-                token = self._fast.begin(self.optimizer, self._table, trust_locals=trust)
-            self._fast_token = token
-            buckets: Buckets | Exception = self._preparer.collect(
-                self._table.slots,
-                cast_grads=not self._precision_aware,
-                group=self.config.grad_stats_group,
-                fast_token=token,
-            )
-            if (
-                token is not None
-                and trust
-                and not self._preparer.replayed
-                and (not self._fast.locals_ok())
-            ):
-                self._fast.invalidate()  # a local tensor was replaced: generic now, rebuilt next
-                self._fast_token = None
-            if scaler is not None and scaler.needs_unscale():
-                self._preparer.unscale(scaler.inv_scale_on, buckets)  # type: ignore[arg-type]
-        except Exception as exc:  # joins the collective, so no rank waits, then raises
-            buckets = exc
-        self._deferred = None
-        self._stats_host = None
-        try:
-            if (
-                defer
-                and not isinstance(buckets, BaseException)
-                and self._table.in_stats_group
-                and self._skips_on_device()
-            ):
-                stats, bad, verdict = reduce_buckets_deferred(
-                    buckets,
-                    norm_type=self.config.norm_type,
-                    count_zeros=self.config.log_num_zeros_in_grad,
-                    group=self.config.grad_stats_group,
-                )
-                self._deferred = (bad, verdict)
-            else:
-                stats = self._reduce(buckets, self.config.log_num_zeros_in_grad)
-        except Exception:
-            self._drop_work()
-            raise
-        self._stats = stats
+        scaler, cfg = self.grad_scaler, self.config
+        unscale = scaler is not None and scaler.needs_unscale()
+        prep = prepare(
+            self._engines,
+            inv_scale_on=scaler.inv_scale_on if unscale else None,  # type: ignore[union-attr]
+            norm_type=cfg.norm_type,
+            count_zeros=cfg.log_num_zeros_in_grad,
+            group=cfg.grad_stats_group,
+            host_sync=cfg.host_sync,
+            defer=defer,
+        )
         self._stage = Stage.PREPARED
-        return stats
+        return prep
 
-    def _drop_work(self) -> None:
-        self._preparer.drop(self._table.slots)
-        self._fast.clear()
-        self._fast_token = None
-
-    def _run_base_step(
-        self, grad_divisor: torch.Tensor | None = None, found_inf: torch.Tensor | None = None
-    ) -> None:
-        """The base step on the prepared grads, then restore cast grads. ``grad_divisor``: a
-        folded clip (``route.fold_clip``), handed to the fused step as its ``grad_scale``;
-        ``found_inf``: skip on the device (only where ``_skips_on_device()``)."""
-        opt, table = self.optimizer, self._table
-        try:
-            if self._fast_token is not None and self._fast.ready(opt, table):
-                keys = self._preparer.work_locals
-                devices = {k[0] for k in keys}
-                dtypes = {k[1] for k in keys}  # the work grads' dtypes (bucket keys carry them)
-                one = next(iter(dtypes)) if len(dtypes) == 1 else None
-                self._fast.step(opt, devices, grad_divisor, self._triton, found_inf, one)
-                self.fast_steps += 1
-            else:
-                assert found_inf is None, "a device-side skip needs the fast step"
-                self._fast.clear()
-                base_step(opt, table.slots, decoupled=self._decoupled_grad, grad_scale=grad_divisor)
-        finally:
-            self._fast.clear()
-            self._fast_token = None
-            self._preparer.restore(table.slots)
+    def _current_stats(self, count_zeros: bool):
+        cfg = self.config
+        prepared = self._stage is Stage.PREPARED
+        grads = [g for e in self._engines for g in e.current_grads(prepared)]
+        return stats_of(
+            grads,
+            norm_type=cfg.norm_type,
+            count_zeros=count_zeros,
+            group=cfg.grad_stats_group,
+            host_sync=cfg.host_sync,
+            in_group=self._engines[0].table.in_stats_group,
+        )
 
     def _check_ready_for_step(self, what: str) -> None:
         if self._stage is not Stage.PREPARED:
@@ -350,9 +247,6 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
             )
             raise RuntimeError(f"{what} called in stage {self._stage.value}: {hint}.")
 
-    # ------------------------------------------------------------------------------------------
-    # public step API
-
     def prepare_grads(self) -> bool:
         """Unscale and cast the grads and agree on non-finite values.
 
@@ -362,9 +256,8 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
             found_inf: whether any grad on any rank holds a NaN or an inf, the same on every
                 rank of the grad-stats group.
         """
-        stats = self._prepare()
-        host = self._stats_host  # read with the collective's verdict, where it was
-        return bool(stats.found_inf if host is None else host[0])
+        prep = self._prepare()
+        return bool(prep.stats.found_inf if prep.host is None else prep.host[0])
 
     def step_with_ready_grads(self) -> bool:
         """The base optimizer step on prepared grads (no clipping); restores grad dtypes.
@@ -375,19 +268,35 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
             True (the update ran).
         """
         self._check_ready_for_step("step_with_ready_grads()")
-        try:
-            self._run_base_step()
-        finally:
-            self._stage = Stage.STEPPED
+        self._run_engines(None, None)
         return True
+
+    def _run_engines(self, clip_norm: torch.Tensor | None, gate: torch.Tensor | None) -> None:
+        """Every engine's base step (clipped to ``config.clip_grad`` by ``clip_norm``), then
+        stage STEPPED even if one raises; ``gate``: skip on the device where it is 1."""
+        clip = self.config.clip_grad
+        try:
+            for e in self._engines:
+                divisor = None
+                if clip_norm is not None:
+                    if e.route.fold_clip:
+                        divisor = clip_divisor(clip, clip_norm)
+                        e.clip_folds += 1
+                    else:
+                        scale_by_clip_coef_(e.preparer.work_locals, clip, clip_norm)
+                e.step(divisor, gate)
+        finally:
+            for e in self._engines:
+                e.drop_fast()
+            self._stage = Stage.STEPPED
 
     def get_grad_norm(self) -> float:
         """The global ``config.norm_type`` norm of the current grads (one collective)."""
-        return float(self._stats_of_current(False).total_norm)
+        return float(self._current_stats(False).total_norm)
 
     def count_zeros(self) -> int:
         """Zero elements of the current global grads, each counted once (one collective)."""
-        stats = self._stats_of_current(True)
+        stats = self._current_stats(True)
         assert stats.num_zeros is not None
         return int(stats.num_zeros)
 
@@ -401,11 +310,13 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
             The global norm before clipping.
         """
         max_norm = check_max_norm(max_norm)
-        norm = self._stats_of_current(False).total_norm
+        norm = self._current_stats(False).total_norm
+        prepared = self._stage is Stage.PREPARED
         by_key: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-        for g in self._current_grads():
-            local = g._local_tensor
-            by_key[(local.device, local.dtype)].append(local)
+        for e in self._engines:
+            for g in e.current_grads(prepared):
+                local = g._local_tensor
+                by_key[(local.device, local.dtype)].append(local)
         scale_by_clip_coef_(by_key, max_norm, norm)
         return float(norm)
 
@@ -415,22 +326,19 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         Args:
             set_to_none: Set the grads to None (True) or zero them in place (False).
         """
-        self._drop_work()
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        if set_to_none:
-            for p in params:
-                p.grad = None
-        else:
-            by_key: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-            for p in params:
-                g = p.grad
-                if g is not None:
-                    local = g._local_tensor if isinstance(g, DTensor) else g
-                    by_key[(local.device, local.dtype)].append(local)
-            for tensors in by_key.values():
-                torch._foreach_zero_(tensors)
+        by_key: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        for e in self._engines:
+            e.drop()
+            for g in e.optimizer.param_groups:
+                for p in g["params"]:
+                    if set_to_none:
+                        p.grad = None
+                    elif p.grad is not None:
+                        local = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+                        by_key[(local.device, local.dtype)].append(local)
+        for tensors in by_key.values():
+            torch._foreach_zero_(tensors)
         self._stage = Stage.READY
-        self._stats = None
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Scale the loss by the loss scale.
@@ -453,18 +361,17 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):  # type: ignore[override]
-        """One training step: prepare the grads, clip, and run the base optimizer's step.
+        """One training step: prepare the grads, clip, and run the base optimizers' steps.
 
-        Step hooks fire around it, torch's global ones once. Returns the tuple
-        ``(update_successful, grad_norm, num_zeros_in_grad)``. With
-        ``OptimizerConfig(host_sync=False)`` the three are 0-d device tensors (bool, float32,
-        int64 or None) and nothing waits for the device.
+        Step hooks fire around it, torch's global ones once. With
+        ``OptimizerConfig(host_sync=False)`` the three values are 0-d device tensors (bool,
+        float32, int64 or None) and nothing waits for the device.
 
         Args:
             closure: If given, called first with grad enabled (it should run backward).
 
         Returns:
-            update_successful (bool): Whether the base optimizer's update ran.
+            update_successful (bool): Whether the base optimizers' updates ran.
             grad_norm (float): The global norm before clipping (non-finite when the step was
                 skipped).
             num_zeros_in_grad (int | None): None unless ``config.log_num_zeros_in_grad``.
@@ -472,94 +379,44 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 closure()
-        return self._step_impl()
-
-    def _step_impl(self) -> tuple[Any, Any, Any]:
         if self._stage is Stage.PREPARED:
             raise RuntimeError(
                 "step() called after prepare_grads(): the grads are already prepared; finish "
                 "with step_with_ready_grads() (or zero_grad() to drop them)."
             )
-        scaler = self.grad_scaler
-        on_host = self.config.host_sync
-        # without a scaler the host waits only after the update is enqueued (see _prepare)
-        stats = self._prepare(defer=on_host and scaler is None)
-        deferred = self._deferred
-        result = _StepResult(stats, self._stats_host)
+        scaler, on_host = self.grad_scaler, self.config.host_sync
+        # without a scaler the host waits only after the update is enqueued (see _step)
+        prep = self._prepare(defer=on_host and scaler is None)
+        stats, result = prep.stats, StepResult(prep.stats, prep.host)
         device_skip = None
         if scaler is not None:
-            if not on_host and self._skips_on_device():
+            if not on_host and all(e.skips_on_device() for e in self._engines):
                 device_skip = stats.found_inf
                 scaler.update(device_skip)  # on the device: no host read
             else:
                 found_inf = result.found_inf()  # the skip decision: one host read
                 scaler.update(found_inf)
                 if found_inf:
-                    self._fast.clear()
-                    self._fast_token = None
-                    self._preparer.restore(self._table.slots)
+                    for e in self._engines:
+                        e.skip()
                     self._stage = Stage.STEPPED
                     self.last_update_successful = False
                     return result.values(False, on_host)
-        divisor = None
-        clip = self.config.clip_grad
-        if clip > 0:
-            if self._route.fold_clip:
-                divisor = clip_divisor(clip, stats.total_norm)
-                self.clip_folds += 1
-            else:
-                scale_by_clip_coef_(self._preparer.work_locals, clip, stats.total_norm)
-        gate = device_skip if deferred is None else deferred[0]
-        try:
-            self._run_base_step(divisor, None if gate is None else gate.to(torch.float32))
-        finally:
-            self._stage = Stage.STEPPED
-        if deferred is not None:
+        gate = device_skip if prep.deferred is None else prep.deferred[0]
+        clip_norm = stats.total_norm if self.config.clip_grad > 0 else None
+        self._run_engines(clip_norm, None if gate is None else gate.to(torch.float32))
+        if prep.deferred is not None:
             # the collective's verdict (raises on every rank if one failed) and the values: it
             # waits for the stats' host copy, enqueued before the update, not for the update
-            result.host = deferred[1]()
+            result.host = prep.deferred[1]()
         if device_skip is not None:
             self.last_update_successful = None  # decided on the device: see step()'s result
             return ~device_skip, stats.total_norm, stats.num_zeros
         self.last_update_successful = True
         return result.values(True, on_host)
 
-    def _skips_on_device(self) -> bool:
-        """Whether this step can skip an update on the device: the fast Adam step will run and
-        every group is fused (torch's fused kernels take ``found_inf``). Elsewhere a skip needs
-        a host read of found_inf (see ``docs/concepts.md``)."""
-        return (
-            self._fast_token is not None
-            and self._fast.ready(self.optimizer, self._table)
-            and self._fast.skips_on_device()
-        )
-
     # ------------------------------------------------------------------------------------------
     # checkpoints and grad scaler state
-
-    def _param_records(self) -> list[ParamRecord]:
-        """Every param in base-optimizer order: FQN, DTensor, and the DTensor again where the
-        base optimizer steps it on this rank (None where the empty-shard filter leaves it out)."""
-        self._table.sync()
-        return [ParamRecord(s.fqn, s.param, s.param if s.held else None) for s in self._table.slots]
-
-    @contextmanager
-    def _held_groups(self) -> Iterator[None]:
-        """With the empty-shard filter: the groups show only the params stepped on this rank,
-        for the checkpoint layer (which creates state for every param it sees)."""
-        slots = self._table.slots
-        if all(s.held for s in slots):
-            yield
-            return
-        groups = self.optimizer.param_groups
-        saved = [list(g["params"]) for g in groups]
-        try:
-            for gi, g in enumerate(groups):
-                g["params"][:] = self._table.held_params(gi)
-            yield
-        finally:
-            for g, params in zip(groups, saved):
-                g["params"][:] = params
 
     def sharded_state_dict(
         self,
@@ -567,7 +424,8 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         is_loading: bool = False,
         metadata: dict | None = None,
     ) -> dict[str, Any]:
-        """The fsdp_dtensor optimizer state dict (see [mfsdp_optim.checkpoint][]).
+        """The fsdp_dtensor optimizer state dict over every param (see
+        [mfsdp_optim.checkpoint][]).
 
         The grad scaler's state travels separately:
         [grad_scaler_state_dict()][grad_scaler_state_dict].
@@ -581,22 +439,18 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         Returns:
             This rank's fsdp_dtensor state dict, for ``torch.distributed.checkpoint``.
         """
-        from ..checkpoint import build_sharded_state_dict
-
-        records = self._param_records()
-        self.invalidate_caches()  # init_state_fn may create or replace state
-        with self._held_groups():
-            return build_sharded_state_dict(
-                self.optimizer, records, is_loading=is_loading, init_state_fn=self._init_state_fn
-            )
+        return _checkpointing.build_state_dict(
+            self._engines, is_loading=is_loading, init_state_fn=self._init_state_fn
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """The base optimizer's stock torch state dict (what ``get_optimizer_state_dict`` reads).
 
         Raises:
-            NotImplementedError: With ``OptimizerConfig(filter_empty_shards=True)``: ranks that
-                filtered a param hold no state for it, so the stock layout would differ
-                between ranks.
+            NotImplementedError: With ``OptimizerConfig(filter_empty_shards=True)`` (ranks that
+                filtered a param hold no state for it, so the stock layout would differ between
+                ranks), or with several base optimizers (use ``wrapper.optimizers`` with the
+                stock helpers, or ``sharded_state_dict()``).
         """
         if self.config.filter_empty_shards:
             raise NotImplementedError(
@@ -604,6 +458,12 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
                 "params with an empty local shard have no optimizer state on their rank, so the "
                 "stock layout would differ between ranks. Use sharded_state_dict() with "
                 "torch.distributed.checkpoint instead."
+            )
+        if len(self.optimizers) != 1:
+            raise NotImplementedError(
+                f"state_dict() is torch's layout of ONE optimizer; this wrapper has "
+                f"{len(self.optimizers)}. Use get_optimizer_state_dict(model, wrapper.optimizers) "
+                "or sharded_state_dict()."
             )
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
@@ -626,7 +486,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
 
         Raises:
             ValueError: The top-level keys are neither layout's.
-            StateDictMismatchError: The fsdp_dtensor state dict does not fit the optimizer (a
+            StateDictMismatchError: The fsdp_dtensor state dict does not fit the optimizers (a
                 ValueError, on every rank; no optimizer changed).
         """
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
@@ -639,10 +499,7 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
             if keys == _STOCK_KEYS:
                 self.optimizer.load_state_dict(state_dict)
             elif keys == _SHARDED_KEYS:
-                from ..checkpoint import load_sharded_state_dict
-
-                records = self._param_records()
-                load_sharded_state_dict(self.optimizer, records, state_dict)
+                _checkpointing.load_state_dict(self._engines, state_dict)
             else:
                 got = sorted(keys) if keys is not None else type(state_dict).__name__
                 raise ValueError(
@@ -681,27 +538,16 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         self.grad_scaler.load_state_dict(state_dict)
 
 
-class _StepResult:
-    """``step()``'s return values from the stats, read on the host at most once."""
-
-    def __init__(self, stats: GradStats, host: list[float] | None = None):
-        self.stats = stats
-        # [found_inf, norm(, zeros)] as read with the collective's verdict (_reduce), if it was
-        self.host = host
-
-    def _read(self) -> list[float]:
-        if self.host is None:  # found_inf, norm and zeros in a single transfer
-            self.host = packed_values(self.stats).tolist()
-        return self.host
-
-    def found_inf(self) -> bool:
-        return bool(self._read()[0])
-
-    def values(self, ok: bool, on_host: bool) -> tuple[Any, Any, Any]:
-        s = self.stats
-        if not on_host:
-            # a fill kernel, not a host-to-device copy
-            okt = torch.full((), ok, dtype=torch.bool, device=s.found_inf.device)
-            return okt, s.total_norm, s.num_zeros
-        v = self._read()
-        return ok, v[1], (int(v[2]) if s.num_zeros is not None else None)
+def _check_disjoint(engines: list[Engine]) -> None:
+    """Several base optimizers must hold disjoint params with distinct FQNs."""
+    seen: dict[int, int] = {}
+    names: dict[str, int] = {}
+    for i, e in enumerate(engines):
+        for s in e.table.slots:
+            j = seen.setdefault(id(s.param), i)
+            k = names.setdefault(s.fqn, i)
+            if j != i or k != i:
+                raise ValueError(
+                    f"param {s.fqn!r} is in optimizer[{min(j, k)}] and optimizer[{i}]; several "
+                    "base optimizers must hold disjoint params"
+                )

@@ -1,0 +1,187 @@
+"""One base optimizer's step machinery and every cache the wrapper keeps for it: ``Engine``.
+
+An ``Engine`` owns the param table (``_slots``), the prepare plan (``_prepare``), the fast Adam
+lists and Triton tables (``_fast_step``, ``_triton_adam``) and the whole-param plan
+(``_whole``). Its one validity rule: a cache is used only while the table's version, the
+optimizer's ``state`` mapping and ``param_groups`` are those it was built from and the params
+hold the local tensors it saw; ``invalidate()`` drops all of them at once. How the base step
+runs is the engine's *route*, chosen per step from the class's update kind (``_kinds``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..stats._buckets import Buckets
+from ._config import OptimizerConfig
+from ._dispatch import Route, base_step, detect_precision_aware, route_of
+from ._fast_step import FastAdamStep
+from ._hyper import check_param_groups
+from ._kinds import WHOLE_PARAM, kind_of
+from ._prepare import Preparer
+from ._slots import SlotTable
+from ._triton_adam import TritonAdam
+
+__all__ = ["Engine", "merge_buckets"]
+
+
+class Engine:
+    """One base optimizer of a ``FullyShardedOptimizer`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model_chunks: Sequence[torch.nn.Module],
+        config: OptimizerConfig,
+    ):
+        self.optimizer = optimizer
+        self.kind = kind_of(optimizer, config.update_kinds)
+        aware, self.decoupled = detect_precision_aware(optimizer)
+        if config.precision_aware is not None:
+            aware = config.precision_aware
+        self.precision_aware = bool(aware)
+        self.group = config.grad_stats_group
+        self.table = SlotTable(
+            optimizer, model_chunks, filter_empty=config.filter_empty_shards, stats_group=self.group
+        )
+        self.preparer = Preparer()
+        self.fast = FastAdamStep()
+        self.triton = TritonAdam() if config.triton_adam_step else None
+        self.whole_plan: Any = None
+        self.route = Route(False, False)
+        self.fast_token: object | None = None  # the fast cache this step's grads were put in
+        self.fast_steps = 0
+        self.clip_folds = 0
+
+    def invalidate(self) -> None:
+        """Drop every cached view, list and kernel table (rebuilt at the next step)."""
+        self.fast.invalidate()
+        self.preparer.plan = None
+        self.whole_plan = None
+
+    # ------------------------------------------------------------------------------ prepare
+
+    def collect(self, inv_scale_on: Any) -> Buckets:
+        """Validate, pick the route, set each slot's work grad and bucket the local shards;
+        unscale them by ``inv_scale_on`` (a grad scaler's, or None). Collective-free."""
+        if self.table.sync():
+            self.invalidate()
+        opt = self.optimizer
+        check_param_groups(opt.param_groups, opt.defaults)
+        route = route_of(opt, precision_aware=self.precision_aware)
+        if self.kind == WHOLE_PARAM:
+            route = Route(False, False)
+        self.route = route
+        token, trust = None, False
+        if route.fast:
+            # a plan recorded over this fast cache vouches for the params' local tensors
+            plan = self.preparer.plan
+            trust = plan is not None and self.fast.token is not None
+            trust = trust and plan.fast_token is self.fast.token  # type: ignore[union-attr]
+            token = self.fast.begin(opt, self.table, trust_locals=trust)
+        self.fast_token = token
+        buckets = self.preparer.collect(
+            self.table.slots,
+            cast_grads=not self.precision_aware,
+            group=self.group,
+            fast_token=token,
+        )
+        if token is not None and trust and not self.preparer.replayed and not self.fast.locals_ok():
+            self.fast.invalidate()  # a local tensor was replaced: generic now, rebuilt next
+            self.fast_token = None
+        if inv_scale_on is not None:
+            self.preparer.unscale(inv_scale_on, buckets)
+        return buckets
+
+    def skips_on_device(self) -> bool:
+        """Whether this step's update can be skipped on the device: the fast Adam step runs and
+        every group is fused (torch's fused kernels take ``found_inf``). Elsewhere a skip needs
+        a host read of found_inf (see ``docs/concepts.md``)."""
+        return (
+            self.fast_token is not None
+            and self.fast.ready(self.optimizer, self.table)
+            and self.fast.skips_on_device()
+        )
+
+    def current_grads(self, prepared: bool) -> list[DTensor]:
+        """The grads statistics and clipping act on now (the cast copies while prepared)."""
+        slots = self.table.slots
+        if prepared:
+            return [s.work_grad for s in slots if s.work_grad is not None]
+        return [s.param.grad for s in slots if s.param.grad is not None]  # type: ignore[misc]
+
+    # --------------------------------------------------------------------------------- step
+
+    def step(self, grad_divisor: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+        """The base step on the prepared grads, then restore cast grads. ``grad_divisor``: a
+        folded clip (``route.fold_clip``), handed to the fused step as its ``grad_scale``;
+        ``found_inf``: skip on the device (only where ``skips_on_device()``)."""
+        opt, table = self.optimizer, self.table
+        try:
+            if self.fast_token is not None and self.fast.ready(opt, table):
+                keys = self.preparer.work_locals
+                devices = {k[0] for k in keys}
+                dtypes = {k[1] for k in keys}  # the work grads' dtypes (bucket keys carry them)
+                one = next(iter(dtypes)) if len(dtypes) == 1 else None
+                self.fast.step(opt, devices, grad_divisor, self.triton, found_inf, one)
+                self.fast_steps += 1
+            elif self.kind == WHOLE_PARAM:
+                assert found_inf is None and grad_divisor is None, "whole-param: host-side only"
+                self._whole_step()
+            else:
+                assert found_inf is None, "a device-side skip needs the fast step"
+                self.fast.clear()
+                base_step(opt, table.slots, decoupled=self.decoupled, grad_scale=grad_divisor)
+        finally:
+            self.drop_fast()
+            self.preparer.restore(table.slots)
+
+    def _whole_step(self) -> None:
+        """Each param's update computed on the whole param (``_whole``), its work grad bound as
+        ``.grad`` for the call (a cast copy in the param's dtype where the grad's differed)."""
+        from ._whole import step_whole_params
+
+        slots = [s for s in self.table.slots if s.work_grad is not None]
+        swapped = [s for s in slots if s.saved_grad is not None]
+        for s in swapped:
+            s.param.grad = s.work_grad
+        try:
+            self.whole_plan = step_whole_params(
+                self.optimizer,
+                [s.param for s in self.table.slots],
+                group=self.group,
+                plan_cache=self.whole_plan,
+            )
+        finally:
+            for s in swapped:
+                s.param.grad = s.saved_grad
+
+    def drop_fast(self) -> None:
+        """Forget the grads collected for the fast step."""
+        self.fast.clear()
+        self.fast_token = None
+
+    def drop(self) -> None:
+        """Forget the work grads without copying anything back (zero_grad, a failed prepare)."""
+        self.preparer.drop(self.table.slots)
+        self.drop_fast()
+
+    def skip(self) -> None:
+        """A skipped step: restore cast grads, run nothing."""
+        self.drop_fast()
+        self.preparer.restore(self.table.slots)
+
+
+def merge_buckets(parts: list[Buckets]) -> Buckets:
+    """The buckets of several engines as one (one stats collective for all their grads)."""
+    if len(parts) == 1:
+        return parts[0]
+    merged: dict[Any, list[torch.Tensor]] = {}
+    for part in parts:
+        for key, tensors in part.items():
+            merged.setdefault(key, []).extend(tensors)
+    return merged
