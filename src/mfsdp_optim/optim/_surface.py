@@ -212,7 +212,8 @@ class OptimizerSurface(torch.optim.Optimizer):
             state_dict: torch's own layout (``state``/``param_groups``, from
                 [state_dict()][mfsdp_optim.optim.FullyShardedOptimizer.state_dict] or
                 ``get_optimizer_state_dict``), handed to the base optimizer, or the
-                fsdp_dtensor layout of ``sharded_state_dict()`` (after DCP filled it), validated on every rank before anything changes.
+                fsdp_dtensor layout of ``sharded_state_dict()`` (after DCP filled it),
+                validated on every rank before anything changes.
 
         Raises:
             ValueError: The top-level keys are neither layout's.
