@@ -253,6 +253,12 @@ def _check_cost(tensors) -> None:
     print(f"address check: same_addresses ({cpp}) {bulk:.1f} ns/tensor, Python {py:.1f} ns/tensor")
 
 
+def _triton_of(wrapper):
+    """The wrapper's Triton step (an engine's since the layout change; ``_triton`` before)."""
+    engines = getattr(wrapper, "_engines", None)
+    return engines[0].triton if engines else getattr(wrapper, "_triton", None)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -434,7 +440,7 @@ def main() -> None:
                 f"{k}: {w.fast_steps} fast steps, {w.clip_folds} clip folds"
                 + (
                     f", {tri.launches} triton launches, {tri.builds} table builds"
-                    if (tri := w._engines[0].triton) and tri.launches
+                    if (tri := _triton_of(w)) and tri.launches
                     else ""
                 )
                 for k, w in wrappers.items()
