@@ -219,13 +219,13 @@ _KILL_SCRIPT = textwrap.dedent("""
     import os, signal, sys, warnings
     warnings.simplefilter("ignore")
     import torch
-    from mfsdp_optim.checkpoint import _save, save_checkpoint
+    from mfsdp_optim.checkpoint import _publish, save_checkpoint
 
     path, point = sys.argv[1], sys.argv[2]
     sd = lambda v: {"optimizer": {"state": {"w": {"exp_avg": torch.full((64,), v)}},
                                   "param_to_group_meta": {"w": {"lr": v}}}}
     save_checkpoint(sd(1.0), path)
-    real_exchange, real_rename, real_rmtree = _save._exchange, os.rename, _save.shutil.rmtree
+    real_exchange, real_rename, real_rmtree = _publish._exchange, os.rename, _publish.shutil.rmtree
 
     def die():
         os.kill(os.getpid(), signal.SIGKILL)
@@ -252,8 +252,8 @@ _KILL_SCRIPT = textwrap.dedent("""
             die()
         return real_rmtree(p, *a, **k)
 
-    _save._exchange = exchange
-    _save.shutil.rmtree = rmtree
+    _publish._exchange = exchange
+    _publish.shutil.rmtree = rmtree
     save_checkpoint(sd(2.0), path, overwrite=True)
     print("finished")
 """)

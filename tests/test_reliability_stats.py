@@ -192,10 +192,10 @@ def test_arguments_that_differ_between_ranks_raise_everywhere(ranks, kind):
 def _rank_count_collectives(kind):
     """Count the real collectives one call issues (the real functions, wrapped to count)."""
     from mfsdp_optim import stats
-    from mfsdp_optim.stats import _reduce
+    from mfsdp_optim._infra import comm
 
     calls = []
-    real_gather, real_reduce = _reduce._all_gather_flat, dist.all_reduce
+    real_gather, real_reduce = comm._all_gather_flat, dist.all_reduce
 
     def gather(out, inp, group):
         calls.append(("all_gather", inp.numel()))
@@ -205,7 +205,7 @@ def _rank_count_collectives(kind):
         calls.append(("all_reduce", a[0].numel()))
         return real_reduce(*a, **k)
 
-    _reduce._all_gather_flat, dist.all_reduce = gather, reduce
+    comm._all_gather_flat, dist.all_reduce = gather, reduce
     try:
         try:
             if kind == "healthy":
@@ -217,7 +217,7 @@ def _rank_count_collectives(kind):
         except Exception:
             pass
     finally:
-        _reduce._all_gather_flat, dist.all_reduce = real_gather, real_reduce
+        comm._all_gather_flat, dist.all_reduce = real_gather, real_reduce
     return calls
 
 

@@ -20,14 +20,20 @@ _COMPILE_PREFIX = "_orig_mod"
 
 @dataclass(frozen=True)
 class ParamRecord:
-    """One trainable parameter as the checkpoint layer sees it.
+    """One trainable parameter as the checkpoint layer sees it: what
+    [build_sharded_state_dict][mfsdp_optim.checkpoint.build_sharded_state_dict] and
+    [load_sharded_state_dict][mfsdp_optim.checkpoint.load_sharded_state_dict] take, one per
+    trainable param (``FullyShardedOptimizer`` builds them itself).
 
-    fqn: the parameter's fully qualified name (unique across model chunks).
-    param: the model's DTensor parameter: its mesh, placements and global shape define the layout
-        of every state tensor of the same shape.
-    opt_param: the tensor object the base optimizer holds for it on this rank (the DTensor itself,
-        or a plain local-shard alias that shares its storage), or None when this rank's base
-        optimizer does not hold it (empty-shard filter).
+    Attributes:
+        fqn: The parameter's fully qualified name, as ``model.named_parameters()`` gives it
+            (unique across model chunks); the key of its entries in the state dict.
+        param: The model's DTensor parameter: its mesh, placements and global shape define the
+            layout of every state tensor of the same shape.
+        opt_param: The tensor object the base optimizer holds for it on this rank (the DTensor
+            itself, or a plain local-shard alias that shares its storage), or None when this
+            rank's base optimizer does not hold it (a param whose local shard is empty, left
+            out of the base optimizer).
     """
 
     fqn: str

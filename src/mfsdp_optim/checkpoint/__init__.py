@@ -4,6 +4,7 @@ torch's ``get_optimizer_state_dict`` layout and never half-load.
 Save:
 
 ```python
+records = [ParamRecord(fqn, param, opt_param), ...]          # one per trainable param
 sd = build_sharded_state_dict(base_optimizer, records)        # one collective
 dcp.save({"optimizer": sd}, checkpoint_id=path)
 ```
@@ -35,6 +36,7 @@ load_checkpoint({"optimizer": target}, "ckpt/step_100")  # verified before a byt
 ```
 """
 
+from .._infra.params import ParamRecord
 from ._build import KeyspaceError, build_sharded_state_dict
 from ._inspect import inspect_checkpoint
 from ._interop import from_torch_state_dict, to_torch_state_dict
@@ -58,6 +60,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "KeyspaceError",
     "OptimizerStateful",
+    "ParamRecord",
     "RankDisagreementError",
     "SafeFileSystemReader",
     "SafeLoadPlanner",

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .._infra.params import ParamRecord
-from ._keyspace import Keyspace, agree, describe, digest, gather, local_keyspace, merge
+from ._keyspace import Keyspace, agree, describe, digest, local_keyspace, merge
 from ._layout import placeholder, wrap
 from ._materialize import materialize_optimizer_state
 from ._table import GroupMetaTable
@@ -109,8 +109,9 @@ def build_sharded_state_dict(
     local = describe(optimizer, records)
     keyspace = local_keyspace(local)
     table = _table(keyspace)
-    if not agree(digest(local, table.fingerprint()), group):
-        keyspace, errors = merge(gather(local.description, group))
+    descriptions = agree(local, digest(local, table.fingerprint()), group)
+    if descriptions is not None:
+        keyspace, errors = merge(descriptions)
         if errors:
             raise KeyspaceError(
                 "cannot build a rank-consistent optimizer state dict:" + _format(errors)

@@ -31,18 +31,18 @@ import sys
 import warnings
 from typing import Any
 
+from ._integrity import (
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    check_checkpoint,
+    checkpoint_status,
+)
 from ._safe import (
     SafeFileSystemReader,
     SafeLoadPlanner,
     UnsafeCheckpointError,
     raise_unsafe,
     safe_read_metadata,
-)
-from ._save import (
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    check_checkpoint,
-    checkpoint_status,
 )
 
 __all__ = ["inspect_checkpoint", "main"]

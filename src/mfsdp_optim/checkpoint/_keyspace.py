@@ -33,7 +33,6 @@ The detailed description (the fallback's payload)::
 
 from __future__ import annotations
 
-import hashlib
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -41,13 +40,13 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .._infra.comm import all_gather_objects, all_reduce_max
+from .._infra import agreement
 from .._infra.params import ParamRecord
 from ._layout import Slot, StateLayoutError, classify
 from ._materialize import scratch_copy
 from ._values import PlainValueError, dtype_name, group_meta
 
-__all__ = ["Keyspace", "LocalState", "agree", "derive_signature", "describe", "gather", "merge"]
+__all__ = ["Keyspace", "LocalState", "agree", "derive_signature", "describe", "merge"]
 
 Signature = tuple[tuple[str, str], ...]  # sorted (state key, dtype name) of parameter-shaped state
 
@@ -200,34 +199,22 @@ def digest(local: LocalState, table_fingerprint: str) -> list[int]:
     FQNs, order, values). Equal on every rank iff (up to hash collisions) the ranks hold the
     same FQNs with the same parameter-shaped keys and would emit identical tables; a rank whose
     optimizer holds fewer params (the empty-shard filter) therefore forces the merge."""
-    out = []
     # repr, not pickle: pickle's memo makes equal values that share objects serialise apart
-    for part in (repr(tuple(local.signatures.items())), table_fingerprint):
-        h = hashlib.blake2b(part.encode(), digest_size=8).digest()
-        out.append(int.from_bytes(h, "little") >> 2)
+    out = agreement.digest(repr(tuple(local.signatures.items())), table_fingerprint)
     if local.description["errors"]:
         out[0] = -1  # a rank that could not describe itself forces the detailed path
     return out
 
 
-def agree(values: list[int], group: dist.ProcessGroup | None) -> bool:
-    """True on every rank iff every rank of ``group`` passed the same non-negative ``values``:
-    ONE ``all_reduce(MAX)`` of ``[v, -v]`` (16 bytes per value, independent of the world size).
-    A negative value (a rank that could not describe itself) is never agreed to, even when every
-    rank passes it."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return all(v >= 0 for v in values)
-    both = torch.tensor(values + [-v for v in values], dtype=torch.int64)
-    top = all_reduce_max(both, group).tolist()
-    n = len(values)
-    return all(top[i] == -top[n + i] and -top[n + i] >= 0 for i in range(n))
-
-
-def gather(description: dict, group: dist.ProcessGroup | None) -> list[dict]:
-    """Every rank's description: the detailed fallback (none without a process group)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return [description]
-    return all_gather_objects(description, group)
+def agree(local: LocalState, values: list[int], group: dist.ProcessGroup | None) -> list | None:
+    """None on every rank iff every rank of ``group`` passed the same non-negative ``values``
+    (``digest``), else every rank's description, on every rank: the rank-agreement protocol
+    (``_infra.agreement.agree``), ONE ``all_reduce(MAX)`` of ``[v, -v]`` (16 bytes per value,
+    independent of the world size), then, only when they differ, ONE object gather. A negative
+    value (a rank that could not describe itself) is never agreed to, even when every rank
+    passes it."""
+    verdict = agreement.agree(None, group, digest=values, detail=local.description)
+    return None if verdict.same else verdict.details
 
 
 def local_keyspace(local: LocalState) -> Keyspace:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .._infra.comm import all_gather_objects, all_reduce_max
+from .._infra.agreement import agree, by_rank
 from .._infra.params import ParamRecord
 from ._layout import Slot, StateLayoutError, classify, local_shape
 from ._table import as_table, is_table
@@ -243,22 +243,13 @@ def _validate(optimizer, records: Sequence[ParamRecord], sd: Any) -> list[str]:
 
 
 def _agree(errors: list[str], group) -> list[str]:
-    """Every rank's errors, on every rank: ONE ``all_reduce(MAX)`` of an 8-byte flag, and only
-    when some rank found something, an ``all_gather_object`` of the messages to list them."""
+    """Every rank's errors, on every rank, each once with the ranks that found it: the
+    rank-agreement protocol (``_infra.agreement.agree``), ONE ``all_reduce(MAX)`` of an 8-byte
+    flag, and only when some rank found something, an object gather of the messages."""
     if not (dist.is_available() and dist.is_initialized()):
-        return errors
-    flag = all_reduce_max(torch.tensor([1 if errors else 0], dtype=torch.int64), group)
-    if not int(flag[0]):
-        return []
-    gathered = all_gather_objects(errors, group)
-    by_message: dict[str, list[int]] = {}
-    for rank, errs in enumerate(gathered):
-        for e in errs:
-            by_message.setdefault(e, []).append(rank)
-    return [
-        f"{e} (rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))})"
-        for e, r in by_message.items()
-    ]
+        return errors  # one process: its own errors, without rank numbers
+    verdict = agree(errors, group)
+    return by_rank((r, e) for r, f in verdict.failures.items() for e in f.lines)
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

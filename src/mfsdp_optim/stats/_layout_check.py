@@ -14,7 +14,9 @@ two or more of its mesh instances hold bitwise-identical shards at every positio
 trip it (their values differ); nor do constant shards without grads, such as zero-initialised
 expert biases, which prove nothing: call it after a backward pass so the grads decide.
 
-Every rank of ``group`` must call it (a rank without params too), as with any collective.
+Every rank of ``group`` must call it (a rank without params too), as with any collective. A rank
+whose own pass fails still joins the exchange (``_infra.agreement``): it raises its own error,
+the others ``RankFailedError`` naming it.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .._infra.comm import all_gather_objects
+from .._infra.agreement import Wording, agree
 from .._infra.params import strip_compile_prefix
 
 __all__ = ["DuplicatedParam", "check_layout"]
 
+_WORDING = Wording(what="check_layout", where="group")
 _CHUNK = 1 << 22  # elements hashed per pass (bounds the int64 temporary)
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -119,19 +122,28 @@ def check_layout(
             sorted by FQN.
     """
     mine = []
-    for fqn, p in _named_params(model):
-        if not isinstance(p, DTensor):
-            continue
-        local = p.to_local()
-        if local.numel() == 0:
-            continue
-        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else None
-        ranks = tuple(int(r) for r in p.device_mesh.mesh.flatten().tolist())
-        offset, shape = _shard_offset(p)
-        vh = _bit_hash(local)
-        gh = _bit_hash(grad) if grad is not None and grad.numel() else None
-        mine.append((fqn, ranks, tuple(p.shape), str(tuple(p.placements)), offset, shape, vh, gh))
-    everyone = all_gather_objects(mine, group)
+    failure: Exception | None = None
+    try:
+        for fqn, p in _named_params(model):
+            if not isinstance(p, DTensor):
+                continue
+            local = p.to_local()
+            if local.numel() == 0:
+                continue
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else None
+            ranks = tuple(int(r) for r in p.device_mesh.mesh.flatten().tolist())
+            offset, shape = _shard_offset(p)
+            vh = _bit_hash(local)
+            gh = _bit_hash(grad) if grad is not None and grad.numel() else None
+            mine.append(
+                (fqn, ranks, tuple(p.shape), str(tuple(p.placements)), offset, shape, vh, gh)
+            )
+    except Exception as exc:  # any type: the peers must hear of it, not wait for it
+        failure, mine = exc, []
+    # the rank agreement rides with the payload: ONE object all-gather, as before
+    verdict = agree(failure, group, detail=mine, always=True)
+    verdict.raise_own_or_peer(failure, _WORDING)
+    everyone = verdict.details or []
 
     # fqn -> mesh instance (its ranks) -> {shard position: (value hash, grad hash)}
     table: dict[str, dict[tuple[int, ...], dict[tuple, tuple]]] = defaultdict(dict)

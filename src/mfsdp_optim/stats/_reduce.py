@@ -1,20 +1,12 @@
 """One rank's contribution to the grad statistics, and the one collective that combines them.
 
-``reduce_buckets`` is the single rank-agreement point of the stats path. Every rank of the
-grad-stats group sends one fixed-size float64 row in ONE all-gather, whatever its arguments::
-
-    [norm_slot, zeros, nonfinite, failed, norm_type, count_zeros, magic]
-
-``failed`` is 1 when this rank's input or arguments were refused (any exception: a bad
-``norm_type``, an int64 or meta grad, a grads iterable that raised, the caller's own prepare
-loop); ``norm_type`` / ``count_zeros`` are the rank's arguments, so a rank that passed others is
-seen by all; ``magic`` tells this collective from a peer that is in another one of the same size.
-The shape never depends on the arguments, so no mismatch can deadlock. Healthy case: that one
-collective, combined locally (a sum, or a max for ``p = inf``). When any row says ``failed``,
-every rank issues a second all-gather of fixed size (each failing rank's error message, UTF-8,
-truncated), and then every rank raises: a failing rank its own exception, the others
-``RankFailedError`` naming each failing rank and its error. Arguments that differ between
-ranks raise ``StatsArgumentMismatchError`` on every rank, without a second collective.
+Every rank of the grad-stats group sends ONE fixed-size float64 row in ONE all-gather, whatever
+its arguments: ``[norm_slot, zeros, nonfinite | failed, norm_type, count_zeros, magic]``, its
+contribution (``_math``) and the verdict slots of the rank-agreement protocol
+(``_infra.agreement.VerdictSlots``: a refused rank, differing arguments or a foreign row raise on
+every rank; a second, fixed-size all-gather of messages only when a rank failed). Healthy case:
+that one collective, combined locally (a sum, or a max for ``p = inf``); ``host_sync=False``
+keeps the verdict on the device (a NaN norm and ``found_inf`` on the healthy ranks).
 """
 
 from __future__ import annotations
@@ -26,7 +18,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .._infra.comm import HostRead, _all_gather_flat, collective_device
+from .._infra import comm
+from .._infra.agreement import RankFailedError, RankMismatchError, VerdictSlots, Wording
+from .._infra.comm import HostRead, collective_device
 from . import _fused
 from ._buckets import Buckets
 from ._math import (
@@ -51,31 +45,28 @@ __all__ = [
     "require_member",
 ]
 
-# the row every rank sends; slots 0-2 are the contribution of _stats_math
-_FAILED, _NORM_TYPE, _COUNT_ZEROS, _MAGIC = 3, 4, 5, 6
-_ROW = 7
-_MAGIC_VALUE = 1_836_016_496.0  # b"mfsp" as an integer: exact in float64
-_MESSAGE_BYTES = 2048  # per rank, failure path only
-# the row's meta slots, kept on the collective's device per value (see _meta)
-_META_CACHE: dict[tuple, torch.Tensor] = {}
-_META_CACHE_SIZE = 64
+
+class StatsArgumentMismatchError(RankMismatchError):
+    """Ranks of the grad-stats group called with different ``norm_type`` or ``count_zeros``
+    (raised on every rank), or a peer was inside another collective."""
 
 
-def _meta(device: torch.device, failed: bool, p: float, count_zeros: bool) -> torch.Tensor:
-    """The meta slots ``[failed, p, count_zeros, magic]`` of this rank's row, as a float64
-    tensor on ``device`` that is never written (so it is made once per value and kept).
-
-    Why kept: made per call, it would be a pageable host-to-device copy, and CUDA may make the
-    host wait for the stream before such a copy: the host would stall behind the stats kernel
-    it has just launched, and launch the update late (seen on the H200: about 1 ms per step)."""
-    key = (device, failed, None if failed else p, count_zeros)
-    meta = _META_CACHE.get(key)
-    if meta is None:
-        if len(_META_CACHE) >= _META_CACHE_SIZE:
-            _META_CACHE.clear()
-        values = [1.0 if failed else 0.0, p, 1.0 if count_zeros else 0.0, _MAGIC_VALUE]
-        meta = _META_CACHE[key] = torch.tensor(values, dtype=torch.float64).to(device)
-    return meta
+# the row every rank sends: the contribution of _math (slots 0-2), then the verdict slots
+# [failed, norm_type, count_zeros, magic] of the rank-agreement protocol
+_SLOTS = VerdictSlots(
+    {"norm_type": float, "count_zeros": bool},
+    magic=1_836_016_496.0,  # b"mfsp" as an integer: exact in float64
+    wording=Wording(
+        what="grad statistics",
+        where="grad-stats group",
+        row="grad-stats row",
+        call="call the stats functions (or the wrapper's step)",
+        why="The statistic is one global number",
+    ),
+    mismatch=StatsArgumentMismatchError,
+)
+_CONTRIBUTION = NONFINITE_SLOT + 1
+_ROW = _CONTRIBUTION + _SLOTS.width
 
 
 class GradStats(NamedTuple):
@@ -92,29 +83,6 @@ class GradStats(NamedTuple):
     total_norm: torch.Tensor
     num_zeros: torch.Tensor | None
     found_inf: torch.Tensor
-
-
-class RankFailedError(RuntimeError):
-    """Raised on the healthy ranks of the grad-stats group when another rank's input was refused.
-
-    The failing rank itself raises its own exception; nobody gets a statistic.
-
-    Args:
-        message: The error message (it names the failing ranks and their errors).
-        failures: Each failing rank (its rank in the group) mapped to ``"ExcType: message"``.
-
-    Attributes:
-        failures: Each failing rank (its rank in the group) mapped to ``"ExcType: message"``.
-    """
-
-    def __init__(self, message: str, failures: dict[int, str]):
-        super().__init__(message)
-        self.failures = failures
-
-
-class StatsArgumentMismatchError(ValueError):
-    """Ranks of the grad-stats group called with different ``norm_type`` or ``count_zeros``
-    (raised on every rank), or a peer was inside another collective."""
 
 
 def reduce_buckets(
@@ -238,10 +206,11 @@ def _gather_rows(
     if failure is not None:
         p, contribution = math.nan, empty_contribution(device)
     assert contribution is not None
-    row = torch.cat([contribution, _meta(device, failure is not None, p, count_zeros is True)])
+    slots = _SLOTS.encode(device, failure is not None, (p, count_zeros is True))
+    row = torch.cat([contribution, slots])
     world = dist.get_world_size(group)
     rows = row.new_empty(world * _ROW)
-    _all_gather_flat(rows, row, group)  # THE collective: one per call on every rank
+    comm._all_gather_flat(rows, row, group)  # THE collective: one per call on every rank
     rows = rows.view(world, _ROW)
     return rows, failure, p, world
 
@@ -251,7 +220,7 @@ def _start_read(
 ) -> tuple[GradStats | None, HostRead]:
     """The statistics (None when this rank failed) and ONE host copy, started now, of every
     rank's flags followed by ``[found_inf, total_norm(, num_zeros)]`` in float64."""
-    flags = rows[:, _FAILED:].reshape(-1)
+    flags = rows[:, _CONTRIBUTION:].reshape(-1)
     if failure is not None:
         return None, HostRead(flags)
     stats = _finish(rows, p, count_zeros)
@@ -277,16 +246,8 @@ def _verdict_on_host(
     """Wait for ``read`` (``_start_read``) and check every rank's flags (4 numbers per rank);
     raise on every rank if any failed. Returns the statistics' host values."""
     host = read.wait()
-    width = _ROW - _FAILED
-    peers = host[: world * width].view(world, width)
-    _check_magic(peers, world)
-    failed = [r for r in range(world) if peers[r, 0] != 0]
-    if failed:
-        messages = _gather_messages(failure, group, device)  # every rank saw the same rows
-        if failure is not None:
-            raise failure
-        raise _peer_failure(failed, messages, world)
-    _check_same_arguments(peers, world)
+    width = _SLOTS.width
+    _SLOTS.settle(host[: world * width].view(world, width), failure, group, device)
     return host[world * width :].tolist()
 
 
@@ -298,7 +259,7 @@ def _finish(rows: torch.Tensor, p: float, count_zeros: bool) -> GradStats:
 
 
 def _device_verdict(rows: torch.Tensor, p: float, count_zeros: bool) -> GradStats:
-    """``_finish`` with every check of ``_check_same_arguments`` folded in on the device."""
+    """``_finish`` with every check of ``VerdictSlots.settle`` folded in on the device."""
     stats = _finish(rows, p, count_zeros)
     bad = _bad(rows, p, count_zeros)
     return GradStats(
@@ -311,7 +272,7 @@ def _device_verdict(rows: torch.Tensor, p: float, count_zeros: bool) -> GradStat
 def _bad(rows: torch.Tensor, p: float, count_zeros: bool) -> torch.Tensor:
     """On the device: some rank failed, or the ranks' arguments or markers differ (every rank's
     meta slots against this healthy rank's own: one comparison, broadcast over the ranks)."""
-    return (rows[:, _FAILED:] != _meta(rows.device, False, p, count_zeros)).any()
+    return _SLOTS.bad(rows[:, _CONTRIBUTION:], (p, count_zeros))
 
 
 def require_member(group: dist.ProcessGroup | None) -> None:
@@ -320,60 +281,6 @@ def require_member(group: dist.ProcessGroup | None) -> None:
             f"rank {dist.get_rank()} is not in the grad-stats group but called a stats function; "
             "only the group's ranks take part. Pass a group that holds every rank with grads."
         )
-
-
-def _gather_messages(
-    failure: BaseException | None, group: dist.ProcessGroup | None, device: torch.device
-) -> list[str]:
-    """Every rank's error message (empty for a healthy rank), one fixed-size all-gather."""
-    text = "" if failure is None else f"{type(failure).__name__}: {failure}"
-    data = text.encode("utf-8", "replace")[:_MESSAGE_BYTES]
-    mine = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
-    if data:
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    world = dist.get_world_size(group)
-    out = torch.empty(world * _MESSAGE_BYTES, dtype=torch.uint8, device=device)
-    _all_gather_flat(out, mine.to(device), group)
-    raw = out.cpu().view(world, _MESSAGE_BYTES)
-    return [bytes(raw[r].tolist()).rstrip(b"\0").decode("utf-8", "replace") for r in range(world)]
-
-
-def _peer_failure(failed: list[int], messages: list[str], world: int) -> RankFailedError:
-    failures = {r: messages[r] or "(no message)" for r in failed}
-    lines = "\n  ".join(f"rank {r}: {m}" for r, m in failures.items())
-    which = f"rank {failed[0]}" if len(failed) == 1 else f"ranks {failed}"
-    return RankFailedError(
-        f"grad statistics failed on {which} of the {world}-rank grad-stats group, so no rank "
-        f"gets a result (this rank's own input was fine):\n  {lines}\n"
-        f"Fix the input on {which}; the traceback there shows where it came from.",
-        failures,
-    )
-
-
-def _check_magic(meta: torch.Tensor, world: int) -> None:
-    foreign = [r for r in range(world) if meta[r, _MAGIC - _FAILED] != _MAGIC_VALUE]
-    if foreign:
-        raise StatsArgumentMismatchError(
-            f"ranks {foreign} of the grad-stats group sent something other than a grad-stats row: "
-            "they are inside another collective of the same size. Every rank of the group must "
-            "call the stats functions (or the wrapper's step) at the same point, in the same order."
-        )
-
-
-def _check_same_arguments(meta: torch.Tensor, world: int) -> None:
-    """Every row holds the same (norm_type, count_zeros); raise on every rank otherwise."""
-    for slot, name in ((_NORM_TYPE, "norm_type"), (_COUNT_ZEROS, "count_zeros")):
-        values = meta[:, slot - _FAILED].tolist()
-        if len(set(values)) > 1:
-            by_value: dict[Any, list[int]] = {}
-            for r, v in enumerate(values):
-                by_value.setdefault(bool(v) if name == "count_zeros" else v, []).append(r)
-            seen = "; ".join(f"{v!r} on ranks {rs}" for v, rs in by_value.items())
-            raise StatsArgumentMismatchError(
-                f"ranks of the grad-stats group passed different {name}: {seen}. The statistic "
-                f"is one global number, so every rank must pass the same {name} (check configs "
-                "built per rank, e.g. from rank-local environment variables)."
-            )
 
 
 def _local_contribution(
