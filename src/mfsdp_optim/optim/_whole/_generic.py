@@ -54,6 +54,12 @@ def _param_shaped(key: str, value: object, shape: tuple[int, ...]) -> bool:
     return len(shape) > 0 or key not in SCALAR_STATE_KEYS
 
 
+def _grad_local(p: DTensor) -> torch.Tensor:
+    grad = p.grad
+    assert isinstance(grad, DTensor)  # checked by step_whole_params before any exchange
+    return grad._local_tensor
+
+
 def _local(value: object) -> object:
     return value._local_tensor if isinstance(value, DTensor) else value
 
@@ -78,7 +84,7 @@ def generic_step(
         if owner == rank or error is not None:
             continue
         p = params[i]
-        entries = [(PARAM, p._local_tensor), (GRAD, p.grad._local_tensor)]
+        entries = [(PARAM, p._local_tensor), (GRAD, _grad_local(p))]
         entries += [
             (k, v._local_tensor)
             for k, v in optimizer.state.get(p, {}).items()
@@ -89,18 +95,19 @@ def generic_step(
     got, statuses = exchange_records(
         "generic_in", [(h, t) for h, t in records], 1 if error else 0, group
     )
-    failed = {r for r, s in enumerate(statuses) if s}
+    failed = {r for r, s in enumerate(statuses) if s == 1}  # 1: failed itself, 2: relays it
+    relayed = {r for r, s in enumerate(statuses) if s == 2}
     # owners: full tensors of the units they own
     pieces_in: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
     for r, (header, raw) in enumerate(got):
-        if r == rank or header is None or r in failed:
+        if r == rank or header is None or r in failed or r in relayed:
             continue
         offset = 0
-        for u, keys in header:
+        for u, sent_keys in header:  # type: ignore[attr-defined]
             piece = units[u].pieces[units[u].members.index(r)]
             n = piece_numel(piece)
             entry = {}
-            for k, dt in keys:
+            for k, dt in sent_keys:
                 dtype = _dtype(dt)
                 size = n * torch.empty((), dtype=dtype).element_size()
                 entry[k] = view_as(raw[offset : offset + size], dtype, piece_shape(piece))
@@ -108,7 +115,7 @@ def generic_step(
             pieces_in[(u, r)] = entry
     fulls: dict[int, torch.Tensor] = {}
     view: defaultdict[torch.Tensor, dict] = defaultdict(dict)
-    ok = error is None and not failed
+    ok = error is None and not failed and not relayed
     for u, i in mine.items():
         unit = units[u]
         if unit.owner != rank or not ok:
@@ -116,7 +123,7 @@ def generic_step(
         p = params[i]
         device = p._local_tensor.device
         state = optimizer.state.get(p, {})
-        own = {PARAM: p._local_tensor, GRAD: p.grad._local_tensor}
+        own = {PARAM: p._local_tensor, GRAD: _grad_local(p)}
         own.update({k: _local(v) for k, v in state.items() if _param_shaped(k, v, tuple(p.shape))})
         full = {k: torch.empty(p.shape, dtype=t.dtype, device=device) for k, t in own.items()}
         for member, piece in zip(unit.members, unit.pieces, strict=True):
@@ -147,7 +154,7 @@ def generic_step(
             optimizer.state = original_state
     # owner -> members: the param's piece, param-shaped pieces, full other entries
     out: list[tuple[list, list[torch.Tensor]]] = [([], []) for _ in range(world)]
-    results: dict[int, tuple[list, list[torch.Tensor]]] = {}
+    results: dict[int, tuple[list, list]] = {}
     for u, full_param in fulls.items():
         unit = units[u]
         new_state = view.get(full_param, {})
@@ -169,24 +176,25 @@ def generic_step(
             else:
                 out[member][0].append((u, keys))
                 out[member][1].extend(t for t in tensors if t is not None)
-    status = 0 if ok else 1
+    status = 1 if error is not None else 2 if failed else 0
     back, statuses = exchange_records("generic_out", out, status, group)
-    failed |= {r for r, s in enumerate(statuses) if s}
+    failed |= {r for r, s in enumerate(statuses) if s == 1}
+    relayed |= {r for r, s in enumerate(statuses) if s == 2}
     if error is not None:
         raise ValueError(error)
-    if failed:
+    if failed or relayed:
         raise RuntimeError(
             f"whole-param step: ranks {sorted(failed)} failed during this step (see their "
-            "errors); no param was updated on this rank"
+            f"errors; relayed by ranks {sorted(relayed)}); no param was updated on this rank"
         )
     for r, (header, raw) in enumerate(back):
         if r == rank or header is None:
             continue
         offset = 0
-        for u, keys in header:
+        for u, got_keys in header:  # type: ignore[attr-defined]
             piece = units[u].pieces[units[u].members.index(rank)]
             tensors = []
-            for _, kind, dt, shape, _ in keys:
+            for _, kind, dt, shape, _ in got_keys:
                 if kind == "v":
                     tensors.append(None)
                     continue
@@ -195,7 +203,7 @@ def generic_step(
                 size = int(torch.Size(shp).numel()) * torch.empty((), dtype=dtype).element_size()
                 tensors.append(view_as(raw[offset : offset + size], dtype, shp))
                 offset += size
-            results[u] = (keys, tensors)
+            results[u] = (got_keys, tensors)
     for u, (keys, tensors) in results.items():
         _apply(optimizer, params[mine[u]], keys, tensors)
 

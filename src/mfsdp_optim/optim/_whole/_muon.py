@@ -56,7 +56,7 @@ def muon_step(
             continue
         g = groups[i]
         state = optimizer.state[p]
-        grad = p.grad._local_tensor
+        grad = p.grad._local_tensor  # type: ignore[attr-defined]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = in_layout_of(torch.zeros_like(grad), p)
         buf = state["momentum_buffer"]._local_tensor
@@ -79,7 +79,8 @@ def muon_step(
     received, statuses = exchange(
         "muon_in", payload, [max(0, n - 8) for n in recv_in], 1 if error else 0, group
     )
-    failed = {r for r, s in enumerate(statuses) if s}
+    failed = {r for r, s in enumerate(statuses) if s == 1}  # 1: failed itself, 2: relays it
+    relayed = {r for r, s in enumerate(statuses) if s == 2}
     # owners: assemble, orthogonalise, cut the result into pieces
     offsets = [0] * world
     out: list[list[torch.Tensor]] = [[] for _ in range(world)]
@@ -98,7 +99,7 @@ def muon_step(
                 offsets[member] += n
                 data = view_as(raw, torch.bfloat16, (-1,)).to(full.device)
             insert(full, piece, data.view(piece_shape(piece)))
-        if failed or error is not None:
+        if failed or relayed or error is not None:
             result = torch.zeros_like(full)
         else:
             g = groups[mine[u]]
@@ -114,16 +115,17 @@ def muon_step(
             out[member].append(_as_bytes(extract(result, piece)))
             if alias[u]:
                 out[member].append(_as_bytes(extract(full, piece)))
-    status = 1 if (error is not None or failed) else 0
+    status = 1 if error is not None else 2 if failed else 0
     back, statuses = exchange("muon_out", out, [max(0, n - 8) for n in recv_out], status, group)
-    failed |= {r for r, s in enumerate(statuses) if s}
+    failed |= {r for r, s in enumerate(statuses) if s == 1}
+    relayed |= {r for r, s in enumerate(statuses) if s == 2}
     if error is not None:
         raise ValueError(error)
-    if failed:
+    if failed or relayed:
         raise RuntimeError(
             f"whole-param Muon step: ranks {sorted(failed)} failed during this step (see their "
-            "errors); the params were not updated, the momentum buffers of the params they "
-            "share were advanced: resume from a checkpoint"
+            f"errors; relayed by ranks {sorted(relayed)}); the params were not updated, the "
+            "momentum buffers of the params they share were advanced: resume from a checkpoint"
         )
     offsets = [0] * world
     for u, unit in enumerate(units):

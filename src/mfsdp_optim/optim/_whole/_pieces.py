@@ -106,7 +106,8 @@ def insert(full: torch.Tensor, piece: Piece, values: torch.Tensor) -> None:
     if all(isinstance(ix, tuple) for ix in piece):
         t = full
         for d, ix in enumerate(piece):
-            t = t.narrow(d, ix[0], ix[1])  # type: ignore[index]
+            assert isinstance(ix, tuple)
+            t = t.narrow(d, ix[0], ix[1])
         t.copy_(values.view(t.shape))
         return
     flat = torch.zeros((), dtype=torch.long)
