@@ -1,0 +1,250 @@
+"""Any optimizer's own ``step()`` on whole params: the exact path for classes that read a whole
+param (torch's Adafactor) and classes the package does not know.
+
+Members send a unit's owner their pieces of the param, its grad and every param-shaped state
+entry; the owner assembles full tensors and calls ``optimizer.step()`` once, shown (in place, as
+``_views.local_shard_view`` does) group lists holding the full params it owns and a state mapping
+keyed by them; every other rank calls ``step()`` once with its lists emptied, so step hooks run
+once per rank. The owner sends back each member's piece of the new param and of each param-shaped
+entry, and the full value of every other entry (kept as a Replicate DTensor on the param's mesh;
+0-d tensors and plain values as stock keeps them). Each direction: a sizes all-to-all + one.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+from ..._infra.placement import SCALAR_STATE_KEYS, in_layout_of
+from ._exchange import exchange_records, view_as
+from ._pieces import extract, insert, piece_numel, piece_shape
+from ._plan import WholeParamPlan
+
+__all__ = ["generic_step"]
+
+PARAM = "__param__"
+GRAD = "__grad__"
+_DTYPES = {
+    str(t): t
+    for t in (
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.uint8,
+        torch.bool,
+        torch.int8,
+    )
+}
+
+
+def _dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def _param_shaped(key: str, value: object, shape: tuple[int, ...]) -> bool:
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+        return False
+    return len(shape) > 0 or key not in SCALAR_STATE_KEYS
+
+
+def _grad_local(p: DTensor) -> torch.Tensor:
+    grad = p.grad
+    assert isinstance(grad, DTensor)  # checked by step_whole_params before any exchange
+    return grad._local_tensor
+
+
+def _local(value: object) -> object:
+    return value._local_tensor if isinstance(value, DTensor) else value
+
+
+def generic_step(
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[DTensor],
+    group_index: Sequence[int],
+    plan: WholeParamPlan,
+    group: dist.ProcessGroup | None,
+    error: str | None,
+) -> None:
+    units, rank, world = plan.units, plan.rank, plan.world
+    mine: dict[int, int] = {}
+    for i, (p, u) in enumerate(zip(params, plan.local_units, strict=True)):
+        if p.grad is not None:
+            mine[u] = i
+    # members -> owner: (unit, [(key, dtype)]) headers, then the pieces' bytes
+    records: list[tuple[list, list[torch.Tensor]]] = [([], []) for _ in range(world)]
+    for u, i in mine.items():
+        owner = units[u].owner
+        if owner == rank or error is not None:
+            continue
+        p = params[i]
+        entries = [(PARAM, p._local_tensor), (GRAD, _grad_local(p))]
+        entries += [
+            (k, v._local_tensor)
+            for k, v in optimizer.state.get(p, {}).items()
+            if isinstance(v, DTensor) and _param_shaped(k, v, tuple(p.shape))
+        ]
+        records[owner][0].append((u, [(k, str(t.dtype)) for k, t in entries]))
+        records[owner][1].extend(t for _, t in entries)
+    got, statuses = exchange_records(
+        "generic_in", [(h, t) for h, t in records], 1 if error else 0, group
+    )
+    failed = {r for r, s in enumerate(statuses) if s == 1}  # 1: failed itself, 2: relays it
+    relayed = {r for r, s in enumerate(statuses) if s == 2}
+    # owners: full tensors of the units they own
+    pieces_in: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+    for r, (header, raw) in enumerate(got):
+        if r == rank or header is None or r in failed or r in relayed:
+            continue
+        offset = 0
+        for u, sent_keys in header:  # type: ignore[attr-defined]
+            piece = units[u].pieces[units[u].members.index(r)]
+            n = piece_numel(piece)
+            entry = {}
+            for k, dt in sent_keys:
+                dtype = _dtype(dt)
+                size = n * torch.empty((), dtype=dtype).element_size()
+                entry[k] = view_as(raw[offset : offset + size], dtype, piece_shape(piece))
+                offset += size
+            pieces_in[(u, r)] = entry
+    fulls: dict[int, torch.Tensor] = {}
+    view: defaultdict[torch.Tensor, dict] = defaultdict(dict)
+    ok = error is None and not failed and not relayed
+    for u, i in mine.items():
+        unit = units[u]
+        if unit.owner != rank or not ok:
+            continue
+        p = params[i]
+        device = p._local_tensor.device
+        state = optimizer.state.get(p, {})
+        own = {PARAM: p._local_tensor, GRAD: _grad_local(p)}
+        own.update({k: _local(v) for k, v in state.items() if _param_shaped(k, v, tuple(p.shape))})
+        full = {k: torch.empty(p.shape, dtype=t.dtype, device=device) for k, t in own.items()}
+        for member, piece in zip(unit.members, unit.pieces, strict=True):
+            src = own if member == rank else pieces_in[(u, member)]
+            for k, t in full.items():
+                insert(t, piece, src[k].to(device))
+        full_param = full.pop(PARAM)
+        full_param.grad = full.pop(GRAD)
+        fulls[u] = full_param
+        view[full_param] = {k: full.get(k, _local(v)) for k, v in state.items()}
+    # every rank steps once; owners see their full params, the others empty lists
+    groups = optimizer.param_groups
+    saved = [list(g["params"]) for g in groups]
+    shown: list[list[torch.Tensor]] = [[] for _ in groups]
+    for u, i in mine.items():
+        if u in fulls:
+            shown[group_index[i]].append(fulls[u])
+    original_state = optimizer.state
+    if ok:
+        try:
+            for g, lst in zip(groups, shown, strict=True):
+                g["params"][:] = lst
+            optimizer.state = view
+            optimizer.step()
+        finally:
+            for g, lst in zip(groups, saved, strict=True):
+                g["params"][:] = lst
+            optimizer.state = original_state
+    # owner -> members: the param's piece, param-shaped pieces, full other entries
+    out: list[tuple[list, list[torch.Tensor]]] = [([], []) for _ in range(world)]
+    results: dict[int, tuple[list, list]] = {}
+    for u, full_param in fulls.items():
+        unit = units[u]
+        new_state = view.get(full_param, {})
+        for member, piece in zip(unit.members, unit.pieces, strict=True):
+            keys: list[tuple] = [(PARAM, "p", str(full_param.dtype), None, None)]
+            tensors: list[torch.Tensor | None] = [extract(full_param, piece)]
+            for k, v in new_state.items():
+                if _param_shaped(k, v, tuple(full_param.shape)):
+                    keys.append((k, "p", str(v.dtype), None, None))
+                    tensors.append(extract(v, piece))
+                elif isinstance(v, torch.Tensor):
+                    keys.append((k, "r", str(v.dtype), tuple(v.shape), v.device.type))
+                    tensors.append(v)
+                else:
+                    keys.append((k, "v", None, None, v))
+                    tensors.append(None)
+            if member == rank:
+                results[u] = (keys, tensors)
+            else:
+                out[member][0].append((u, keys))
+                out[member][1].extend(t for t in tensors if t is not None)
+    status = 1 if error is not None else 2 if failed else 0
+    back, statuses = exchange_records("generic_out", out, status, group)
+    failed |= {r for r, s in enumerate(statuses) if s == 1}
+    relayed |= {r for r, s in enumerate(statuses) if s == 2}
+    if error is not None:
+        raise ValueError(error)
+    if failed or relayed:
+        raise RuntimeError(
+            f"whole-param step: ranks {sorted(failed)} failed during this step (see their "
+            f"errors; relayed by ranks {sorted(relayed)}); no param was updated on this rank"
+        )
+    for r, (header, raw) in enumerate(back):
+        if r == rank or header is None:
+            continue
+        offset = 0
+        for u, got_keys in header:  # type: ignore[attr-defined]
+            piece = units[u].pieces[units[u].members.index(rank)]
+            tensors = []
+            for _, kind, dt, shape, _ in got_keys:
+                if kind == "v":
+                    tensors.append(None)
+                    continue
+                dtype = _dtype(dt)
+                shp = piece_shape(piece) if kind == "p" else shape
+                size = int(torch.Size(shp).numel()) * torch.empty((), dtype=dtype).element_size()
+                tensors.append(view_as(raw[offset : offset + size], dtype, shp))
+                offset += size
+            results[u] = (got_keys, tensors)
+    for u, (keys, tensors) in results.items():
+        _apply(optimizer, params[mine[u]], keys, tensors)
+
+
+def _apply(optimizer, p: DTensor, keys: list[tuple], tensors: list) -> None:
+    local = p._local_tensor
+    old = optimizer.state.get(p, {})
+    new: dict = {}
+    for (k, kind, _, _, value), t in zip(keys, tensors, strict=True):
+        if k == PARAM:
+            local.copy_(t.to(local.device).view(local.shape))
+            continue
+        if kind == "v":
+            new[k] = value
+            continue
+        prev = old.get(k)
+        if kind == "p":
+            t = t.to(local.device).view(local.shape)
+            if isinstance(prev, DTensor) and prev.shape == p.shape and prev.dtype == t.dtype:
+                prev._local_tensor.copy_(t)
+                new[k] = prev
+            else:
+                new[k] = in_layout_of(t.clone(), p)
+            continue
+        device = local.device if value != "cpu" else torch.device("cpu")
+        t = t.to(device)
+        if t.dim() == 0:
+            if (
+                isinstance(prev, torch.Tensor)
+                and not isinstance(prev, DTensor)
+                and (prev.shape == t.shape and prev.dtype == t.dtype and prev.device == t.device)
+            ):
+                prev.copy_(t)
+                new[k] = prev
+            else:
+                new[k] = t.clone()
+            continue
+        if isinstance(prev, DTensor) and prev.shape == t.shape and prev.dtype == t.dtype:
+            prev._local_tensor.copy_(t)
+            new[k] = prev
+        else:
+            mesh = p.device_mesh
+            new[k] = DTensor.from_local(t.clone(), mesh, [Replicate()] * mesh.ndim, run_check=False)
+    optimizer.state[p] = new

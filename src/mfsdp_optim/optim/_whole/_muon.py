@@ -1,0 +1,151 @@
+"""torch.optim.Muon's step with Newton-Schulz on whole matrices, the rest on local shards.
+
+Momentum, the Nesterov blend, weight decay and the final add run on each rank's local shard (so
+``momentum_buffer`` stays a sharded DTensor); the Newton-Schulz input travels once, as bfloat16
+(torch casts it to bfloat16 first), from every member of a unit to its owner, which runs torch's
+own ``_zeropower_via_newtonschulz`` and sends each member its piece of the result. One exchange
+per direction for all params. Bit for bit torch's Muon on the unsharded params.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+from torch.optim.optimizer import _to_scalar
+
+from ..._infra.placement import in_layout_of
+from ._exchange import exchange, view_as
+from ._pieces import extract, insert, piece_numel, piece_shape
+from ._plan import NS_BYTES, WholeParamPlan, muon_splits
+
+__all__ = ["muon_step"]
+
+U8 = torch.uint8
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(U8)
+
+
+def muon_step(
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[DTensor],
+    groups: Sequence[dict],
+    plan: WholeParamPlan,
+    group: dist.ProcessGroup | None,
+    error: str | None,
+) -> None:
+    """One Muon step of ``params`` (``groups[i]`` is params[i]'s param group). ``error``: this
+    rank's local failure, sent as its status; raised after the exchange."""
+    units, rank, world = plan.units, plan.rank, plan.world
+    present = [False] * len(units)
+    alias = [False] * len(units)
+    ns_in: dict[int, torch.Tensor] = {}  # unit -> this rank's piece of the NS input
+    bufs: dict[int, torch.Tensor] = {}
+    mine: dict[int, int] = {}  # unit -> index into params
+    for i, (p, u) in enumerate(zip(params, plan.local_units, strict=True)):
+        if p.grad is None:
+            continue
+        mine[u] = i
+        present[u] = True
+        if error is not None:
+            continue
+        g = groups[i]
+        state = optimizer.state[p]
+        grad = p.grad._local_tensor  # type: ignore[attr-defined]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = in_layout_of(torch.zeros_like(grad), p)
+        buf = state["momentum_buffer"]._local_tensor
+        bufs[u] = buf
+        momentum = g["momentum"]
+        buf.lerp_(grad, 1 - momentum)
+        update = grad.lerp(buf, momentum) if g["nesterov"] else buf
+        alias[u] = update is buf and update.dtype == torch.bfloat16
+        ns_in[u] = update.bfloat16()
+    if error is not None:  # filler of the agreed sizes
+        for u in mine:
+            ps = units[u].pieces[units[u].members.index(rank)]
+            ns_in[u] = torch.zeros(piece_shape(ps), dtype=torch.bfloat16)
+    # the owner needs the same present/alias flags: it is a member, so it computed them itself
+    send_in, recv_in, _, recv_out = muon_splits(units, rank, world, present, alias)
+    payload: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    for u, unit in enumerate(units):
+        if present[u] and unit.owner != rank:
+            payload[unit.owner].append(_as_bytes(ns_in[u]))
+    received, statuses = exchange(
+        "muon_in", payload, [max(0, n - 8) for n in recv_in], 1 if error else 0, group
+    )
+    failed = {r for r, s in enumerate(statuses) if s == 1}  # 1: failed itself, 2: relays it
+    relayed = {r for r, s in enumerate(statuses) if s == 2}
+    # owners: assemble, orthogonalise, cut the result into pieces
+    offsets = [0] * world
+    out: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    results: dict[int, torch.Tensor] = {}
+    after_alias: dict[int, torch.Tensor] = {}
+    for u, unit in enumerate(units):
+        if not present[u] or unit.owner != rank:
+            continue
+        full = torch.empty(unit.meta.shape, dtype=torch.bfloat16, device=ns_in[u].device)
+        for member, piece in zip(unit.members, unit.pieces, strict=True):
+            if member == rank:
+                data = ns_in[u]
+            else:
+                n = piece_numel(piece) * NS_BYTES
+                raw = received[member][offsets[member] : offsets[member] + n]
+                offsets[member] += n
+                data = view_as(raw, torch.bfloat16, (-1,)).to(full.device)
+            insert(full, piece, data.view(piece_shape(piece)))
+        if failed or relayed or error is not None:
+            result = torch.zeros_like(full)
+        else:
+            g = groups[mine[u]]
+            result = _zeropower_via_newtonschulz(
+                full, g["ns_coefficients"], g["ns_steps"], g["eps"]
+            )
+        for member, piece in zip(unit.members, unit.pieces, strict=True):
+            if member == rank:
+                results[u] = extract(result, piece)
+                if alias[u]:
+                    after_alias[u] = extract(full, piece)
+                continue
+            out[member].append(_as_bytes(extract(result, piece)))
+            if alias[u]:
+                out[member].append(_as_bytes(extract(full, piece)))
+    status = 1 if error is not None else 2 if failed else 0
+    back, statuses = exchange("muon_out", out, [max(0, n - 8) for n in recv_out], status, group)
+    failed |= {r for r, s in enumerate(statuses) if s == 1}
+    relayed |= {r for r, s in enumerate(statuses) if s == 2}
+    if error is not None:
+        raise ValueError(error)
+    if failed or relayed:
+        raise RuntimeError(
+            f"whole-param Muon step: ranks {sorted(failed)} failed during this step (see their "
+            f"errors; relayed by ranks {sorted(relayed)}); the params were not updated, the "
+            "momentum buffers of the params they share were advanced: resume from a checkpoint"
+        )
+    offsets = [0] * world
+    for u, unit in enumerate(units):
+        if not present[u] or rank not in unit.members:
+            continue
+        piece = unit.pieces[unit.members.index(rank)]
+        if unit.owner != rank:
+            n = piece_numel(piece) * NS_BYTES
+            src = back[unit.owner]
+            o = offsets[unit.owner]
+            results[u] = view_as(src[o : o + n], torch.bfloat16, (-1,))
+            if alias[u]:
+                after_alias[u] = view_as(src[o + n : o + 2 * n], torch.bfloat16, (-1,))
+            offsets[unit.owner] = o + n * (2 if alias[u] else 1)
+        i = mine[u]
+        p, g = params[i], groups[i]
+        local = p._local_tensor
+        if alias[u]:
+            bufs[u].copy_(after_alias[u].to(local.device).view(bufs[u].shape))
+        lr = _to_scalar(g["lr"])
+        adjusted = _adjust_lr(lr, g["adjust_lr_fn"], p.shape)
+        local.mul_(1 - lr * g["weight_decay"])
+        local.add_(results[u].to(local.device).view(local.shape), alpha=-adjusted)
