@@ -155,6 +155,7 @@ class Engine:
                 [s.param for s in self.table.slots],
                 group=self.group,
                 plan_cache=self.whole_plan,
+                names=[s.fqn for s in self.table.slots],
             )
         finally:
             for s in swapped:
