@@ -41,15 +41,25 @@ def stats_chart(r: dict) -> str:
     for i, name in enumerate(names):
         xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(s["sets"]))]
         color = OURS if name.startswith("mfsdp") else STOCK
-        bars = ax.bar(xs, s["x_floor"][name], width, label=name, color=color,
-                      hatch="" if i < 2 else "//", edgecolor="#555555")
+        bars = ax.bar(
+            xs,
+            s["x_floor"][name],
+            width,
+            label=name,
+            color=color,
+            hatch="" if i < 2 else "//",
+            edgecolor="#555555",
+        )
         ax.bar_label(bars, fmt="%.1fx", fontsize=8)
     ax.axhline(1.0, color=FLOOR, linestyle="--", linewidth=1, label="hardware floor (1x)")
     ax.set_yscale("log")
+    ax.set_ylim(0.5, 300)
     ax.set_xticks(range(len(s["sets"])), [f"{n} grads" for n in s["sets"]])
     ax.set_ylabel("time / floor (log)")
-    ax.set_title(f"Global grad norm: time over the floor ({s['card'].split(',')[0]}, {s['date']})",
-                 fontsize=10)
+    ax.set_title(
+        f"Global grad norm: time over the floor ({s['card'].split(',')[0]}, {s['date']})",
+        fontsize=10,
+    )
     ax.legend(fontsize=8, loc="upper left")
     return _save(fig, "bench_stats.svg")
 
@@ -61,12 +71,18 @@ def step_chart(r: dict) -> str:
     fig, ax = plt.subplots(figsize=(7, 2.6))
     bars = ax.barh(labels[::-1], values[::-1], color=colors[::-1], edgecolor="#555555")
     floor = s["ms"]["hardware floor"]
-    ax.bar_label(bars, labels=[f"{v:.2f} ms ({v / floor:.2f}x floor)" for v in values[::-1]],
-                 fontsize=8, padding=3)
+    ax.bar_label(
+        bars,
+        labels=[f"{v:.2f} ms ({v / floor:.2f}x floor)" for v in values[::-1]],
+        fontsize=8,
+        padding=3,
+    )
     ax.set_xlim(0, max(values) * 1.45)
     ax.set_xlabel("ms per step")
-    ax.set_title(f"AdamW step with clipping, 1.2B params ({s['card'].split(',')[0]}, "
-                 f"{s['date']})", fontsize=10)
+    ax.set_title(
+        f"AdamW step with clipping, 1.2B params ({s['card'].split(',')[0]}, {s['date']})",
+        fontsize=10,
+    )
     return _save(fig, "bench_step.svg")
 
 
@@ -78,16 +94,21 @@ def checkpoint_chart(r: dict) -> str:
     width = 0.35
     for i, metric in enumerate(metrics):
         xs = [j + (i - 0.5) * width for j in range(len(runs))]
-        bars = ax.bar(xs, [c["runs"][run][metric] for run in runs], width, label=metric,
-                      color=OURS if i == 0 else "#9ecae1", edgecolor="#555555")
+        bars = ax.bar(
+            xs,
+            [c["runs"][run][metric] for run in runs],
+            width,
+            label=metric,
+            color=OURS if i == 0 else "#9ecae1",
+            edgecolor="#555555",
+        )
         ax.bar_label(bars, fmt="%.2fx", fontsize=8)
     ax.axhline(1.0, color="#d62728", linestyle="--", linewidth=1, label="stock torch (1x)")
     ax.set_xticks(range(len(runs)), runs)
-    ax.set_ylim(0, 1.25)
+    ax.set_ylim(0, 1.2)
     ax.set_ylabel("x stock (lower is better)")
-    ax.set_title(f"Optimizer checkpoints against stock torch (CPU, gloo, {c['date']})",
-                 fontsize=10)
-    ax.legend(fontsize=8, loc="upper right", ncol=3)
+    ax.set_title(f"Optimizer checkpoints against stock torch (CPU, gloo, {c['date']})", fontsize=10)
+    ax.legend(fontsize=8, loc="upper center", ncol=3, bbox_to_anchor=(0.5, -0.18))
     return _save(fig, "bench_checkpoint.svg")
 
 

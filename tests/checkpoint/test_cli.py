@@ -195,8 +195,9 @@ def test_json_status_value_and_errors_on_stdout(ckpts, capsys):
     code, out, _ = _run(capsys, str(ckpts["root"] / "nowhere"), "--json")
     doc = json.loads(out)
     assert code == 2 and doc["status"] == "bad_input"
-    assert doc["error"]["type"] == "FileNotFoundError" and "no such checkpoint" in (
-        doc["error"]["message"]
+    assert (
+        doc["error"]["type"] == "FileNotFoundError"
+        and "no such checkpoint" in (doc["error"]["message"])
     )
 
 

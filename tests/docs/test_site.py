@@ -26,13 +26,120 @@ PUBLIC_MODULES = ("mfsdp_optim", "mfsdp_optim.stats", "mfsdp_optim.optim", "mfsd
 # every element a page may hold: a name outside this set is text such as "<root>" that the
 # browser took for a tag and dropped
 KNOWN_TAGS = set(
-    """html head body meta link title script style noscript base div span a p ul ol li dl dt dd
-    h1 h2 h3 h4 h5 h6 header footer nav main article section aside label input button form img
-    table thead tbody tfoot tr th td caption colgroup col code pre em strong b i u s sub sup small
-    br hr blockquote details summary figure figcaption kbd abbr mark del ins iframe template time
-    textarea select option picture source video audio canvas wbr q cite dfn var samp object
-    svg path g circle rect line polyline polygon text tspan defs use symbol clippath
-    lineargradient radialgradient stop ellipse title desc mask pattern marker""".split()
+    [
+        "html",
+        "head",
+        "body",
+        "meta",
+        "link",
+        "title",
+        "script",
+        "style",
+        "noscript",
+        "base",
+        "div",
+        "span",
+        "a",
+        "p",
+        "ul",
+        "ol",
+        "li",
+        "dl",
+        "dt",
+        "dd",
+        "h1",
+        "h2",
+        "h3",
+        "h4",
+        "h5",
+        "h6",
+        "header",
+        "footer",
+        "nav",
+        "main",
+        "article",
+        "section",
+        "aside",
+        "label",
+        "input",
+        "button",
+        "form",
+        "img",
+        "table",
+        "thead",
+        "tbody",
+        "tfoot",
+        "tr",
+        "th",
+        "td",
+        "caption",
+        "colgroup",
+        "col",
+        "code",
+        "pre",
+        "em",
+        "strong",
+        "b",
+        "i",
+        "u",
+        "s",
+        "sub",
+        "sup",
+        "small",
+        "br",
+        "hr",
+        "blockquote",
+        "details",
+        "summary",
+        "figure",
+        "figcaption",
+        "kbd",
+        "abbr",
+        "mark",
+        "del",
+        "ins",
+        "iframe",
+        "template",
+        "time",
+        "textarea",
+        "select",
+        "option",
+        "picture",
+        "source",
+        "video",
+        "audio",
+        "canvas",
+        "wbr",
+        "q",
+        "cite",
+        "dfn",
+        "var",
+        "samp",
+        "object",
+        "svg",
+        "path",
+        "g",
+        "circle",
+        "rect",
+        "line",
+        "polyline",
+        "polygon",
+        "text",
+        "tspan",
+        "defs",
+        "use",
+        "symbol",
+        "clippath",
+        "lineargradient",
+        "radialgradient",
+        "stop",
+        "ellipse",
+        "title",
+        "desc",
+        "mask",
+        "pattern",
+        "marker",
+    ]
 )
 VOID = {"meta", "link", "img", "br", "hr", "input", "col", "source", "wbr", "base"}
 
@@ -131,7 +238,9 @@ def raw_table_pipes(page: Page) -> list[str]:
 
 def swallowed_tags(page: Page) -> list[str]:
     """Text like ``<root>`` written outside code: the browser drops it as an unknown tag."""
-    return [f"{page.name}: <{t}> is not HTML (text swallowed)" for t in sorted(set(page.unknown_tags))]
+    return [
+        f"{page.name}: <{t}> is not HTML (text swallowed)" for t in sorted(set(page.unknown_tags))
+    ]
 
 
 def heading_problems(page: Page) -> list[str]:
@@ -187,11 +296,15 @@ def missing_api_entries(api: Page, names: list[str]) -> list[str]:
 
 # ---- the checkers flag broken snippets (so a broken checker cannot pass silently) ------------
 
-ARTICLE = '<html><body><nav><h1>nav</h1></nav><article class="md-typeset">{}</article></body></html>'
+ARTICLE = (
+    '<html><body><nav><h1>nav</h1></nav><article class="md-typeset">{}</article></body></html>'
+)
 
 
 def test_checkers_flag_each_defect():
-    bad_table = parse("t", ARTICLE.format("<h1>T</h1><p>| D13 | <code>x</code> | y |\n| D14 | z |</p>"))
+    bad_table = parse(
+        "t", ARTICLE.format("<h1>T</h1><p>| D13 | <code>x</code> | y |\n| D14 | z |</p>")
+    )
     assert raw_table_pipes(bad_table)
     assert not raw_table_pipes(parse("t", ARTICLE.format("<p>a | b</p><table></table>")))
 
