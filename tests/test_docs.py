@@ -304,7 +304,10 @@ def test_api_page_renders_docstrings(built_site):
     # NamedTuple fields as Attributes rows, step()'s tuple as named Returns rows
     for obj, names in (
         ("mfsdp_optim.stats.GradStats", ("total_norm", "num_zeros", "found_inf")),
-        ("mfsdp_optim.DuplicatedParam", ("fqn", "copies", "meshes", "placements", "evidence")),
+        (
+            "mfsdp_optim.stats.DuplicatedParam",
+            ("fqn", "copies", "meshes", "placements", "evidence"),
+        ),
     ):
         table = _section_table(_object(html, obj), "Attributes")
         for name in names:

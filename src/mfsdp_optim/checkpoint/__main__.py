@@ -1,8 +1,8 @@
-"""``python -m mfsdp_optim.checkpoint inspect DIR``."""
+"""``python -m mfsdp_optim.checkpoint inspect DIR`` (see ``_cli`` and docs/cli.md)."""
 
 import sys
 
-from ._inspect import main
+from ._cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,33 +1,17 @@
-"""``python -m mfsdp_optim.checkpoint inspect DIR``: what a DCP optimizer checkpoint holds, and
-whether it is whole.
+"""What a DCP checkpoint holds, and whether it is whole (``inspect_checkpoint``).
 
-Exit status, for every path through the command: **0** the checkpoint is whole and was listed;
-**2** bad input (no such directory, not a DCP checkpoint, a ``.metadata`` that is not DCP's or
-asks the unpickler for code, bad arguments); **3** incomplete or damaged (a save that never
-finished, a missing or truncated shard, a ``.metadata`` that differs from the one the save wrote,
-a checksum mismatch with ``--verify``, an item that cannot be read).
-
-Before anything is listed: with this package's completion marker, every file's size and the
-SHA-256 of ``.metadata`` are checked against the marker (and, with ``--verify``, every item's
-CRC32); without it (plain ``dcp.save``), every byte range ``.metadata`` points at must lie inside
-an existing file. Nothing is unpickled beyond an allow-list (``.metadata`` through
-``safe_read_metadata``, the small non-tensor items through ``torch.load(weights_only=True)``),
-and no tensor data is read. Understands fsdp_dtensor format 3 (ONE ``param_to_group_meta`` item,
-the tagged tuple of a ``GroupMetaTable``), format 2 (one ``param_to_group_meta`` leaf per FQN),
-0.1.0's format 1 (one item per hyperparameter) and torch's ``get_optimizer_state_dict`` layout
-(``param_groups``). With ``--no-values`` a format-3 checkpoint lists only the params that have
-state tensors (the others are named only inside the table, which is then not read).
+Map: ``_integrity`` checks the files first (marker sizes and SHA-256, or byte ranges of a plain
+``dcp.save``); ``_collect`` sorts ``.metadata`` into optimizer params and other entries (a
+model's); ``_read_items`` reads the small non-tensor items through the safe unpickler;
+``_fill`` / ``_groups`` form param groups. No tensor data is read. Formats understood: 3, 2,
+0.1.0's 1, and torch's ``get_optimizer_state_dict`` layout. The command line is ``_cli``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
-import pickle
 import re
-import sys
 import warnings
 from typing import Any
 
@@ -40,7 +24,6 @@ from ._integrity import (
 from ._safe import (
     SafeFileSystemReader,
     SafeLoadPlanner,
-    UnsafeCheckpointError,
     raise_unsafe,
     safe_read_metadata,
 )
@@ -115,9 +98,10 @@ def _shard_errors(directory: str, md) -> list[str]:
     return errors
 
 
-def _integrity(directory: str, verify: bool) -> tuple[dict, str]:
-    """The marker (``{}`` without one) and a line saying what was checked; raises
-    FileNotFoundError, IncompleteCheckpointError or CorruptCheckpointError."""
+def _integrity(directory: str, verify: bool) -> tuple[dict, str, str, bool]:
+    """The marker (``{}`` without one), the status value, a line saying what was checked, and
+    whether every item's CRC32 was verified; raises FileNotFoundError,
+    IncompleteCheckpointError or CorruptCheckpointError."""
     status, message = checkpoint_status(directory)
     if status == "missing":
         raise FileNotFoundError(message)
@@ -125,11 +109,11 @@ def _integrity(directory: str, verify: bool) -> tuple[dict, str]:
         raise IncompleteCheckpointError(message)
     if status == "complete":
         marker = check_checkpoint(directory, verify_checksums=verify)
-        checked = "file sizes and .metadata SHA-256" + (
-            " and every item's CRC32" if verify and marker.get("checksums") else ""
-        )
-        return marker, f"{message}; checked {checked} against the marker"
-    return {}, f"{message}; checked that every item lies inside an existing file"
+        verified = bool(verify and marker.get("checksums"))
+        checked = "file sizes and .metadata SHA-256" + (" and every item's CRC32" * verified)
+        return marker, status, f"{message}; checked {checked} against the marker", verified
+    detail = f"{message}; checked that every item lies inside an existing file"
+    return {}, status, detail, False
 
 
 def _tensor_entry(item) -> dict:
@@ -139,15 +123,27 @@ def _tensor_entry(item) -> dict:
     return {"dtype": dtype, "shape": size, "bytes": math.prod(size) * itemsize}
 
 
-def _collect(md) -> tuple[dict[str, dict], dict[str, tuple]]:
-    """Per prefix the params' tensor entries, and the non-tensor keys to read with their role."""
+def _collect(md) -> tuple[dict[str, dict], dict[str, tuple], dict[str, dict]]:
+    """Per prefix the params' tensor entries, the non-tensor keys to read with their role, and
+    per top-level key the other entries (a model's, the extra state), in ``.metadata`` order."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     found: dict[str, dict] = {}
     wanted: dict[str, tuple] = {}
+    others: dict[str, dict] = {}
     for key, item in md.state_dict_metadata.items():
-        parts = _split(_path_of(key, md.planner_data))
+        path = _path_of(key, md.planner_data)
+        parts = _split(path)
         if parts is None:
+            top = str(path[0]) if len(path) > 1 else ""
+            name = ".".join(map(str, path[1:] if top else path))
+            group = others.setdefault(top, {"tensors": 0, "bytes": 0, "entries": {}})
+            if isinstance(item, BytesStorageMetadata):
+                group["entries"][name] = {"dtype": None, "shape": None, "bytes": None}
+            else:
+                group["entries"][name] = _tensor_entry(item)
+                group["tensors"] += 1
+                group["bytes"] += group["entries"][name]["bytes"]
             continue
         prefix, kind, rest = parts
         entry = found.setdefault(prefix, {"format": 2, "params": {}, "torch_groups": {}})
@@ -178,7 +174,7 @@ def _collect(md) -> tuple[dict[str, dict], dict[str, tuple]]:
                 wanted[key] = (prefix, "scalar", fqn, name)
             else:
                 param(fqn)["state"][name] = _tensor_entry(item)
-    return found, wanted
+    return found, wanted, others
 
 
 def _fill(found: dict, wanted: dict[str, tuple], values: dict[str, Any] | None) -> None:
@@ -231,9 +227,10 @@ def _fill_table(entry: dict, value: Any, key: str) -> None:
 
 
 def _groups(params: dict[str, dict], have_values: bool) -> list[dict]:
-    """Params grouped by equal hyperparameters, in first-seen order of sorted FQNs."""
+    """Params grouped by equal hyperparameters; groups and params in the order ``.metadata``
+    lists them (the state dict's, i.e. the model's order)."""
     groups: dict[str, dict] = {}
-    for fqn in sorted(params):
+    for fqn in params:
         p = params[fqn]
         hyper = p.pop("hyper") if have_values else {}
         key = repr(sorted(hyper.items()))
@@ -254,25 +251,39 @@ def _ranks_that_wrote(directory: str, marker: dict) -> int | None:
 def inspect_checkpoint(
     directory: str, *, read_hyperparameters: bool = True, verify_checksums: bool = False
 ) -> dict:
-    """What the checkpoint in ``directory`` holds, after checking it is whole:
+    """What the checkpoint in ``directory`` holds, after checking it is whole.
+
+    The result (``--json`` of the command line prints it):
 
     ```text
-    {"directory", "status": line, "ranks": int | None, "files": int, "bytes_on_disk": int,
-     "optimizers": {prefix: {"format": 3 | 2 | 1 | "torch", "params": int, "with_state": int,
-                             "state_bytes": int,
-                             "groups": [{"hyperparameters": {name: value} | None,
-                                         "params": {fqn: {"state": {key: {"dtype", "shape",
-                                                                          "bytes"}},
-                                                          "scalars": {key: value}}}}]}}}
+    {"directory": str, "status": "complete" | "dcp", "detail": line,
+     "checksums_verified": bool, "ranks": int | None, "files": int,
+     "bytes_on_disk": int,
+     "optimizers": {prefix: {
+         "format": 3 | 2 | 1 | "torch", "params": int, "with_state": int,
+         "state_bytes": int,
+         "groups": [{"hyperparameters": {name: value} | None,
+                     "params": {fqn: {"state": {key: TENSOR},
+                                      "scalars": {key: value}}}}]}},
+     "other": {top_key: {"tensors": int, "bytes": int,
+                         "entries": {name: TENSOR}}}}
+    TENSOR = {"dtype": str, "shape": [int], "bytes": int}  (None each for
+             a non-tensor item)
     ```
 
-    ``hyperparameters`` is None when ``read_hyperparameters=False`` (only ``.metadata`` is read;
-    params then form one group).
+    ``status`` is ``"complete"`` (written by ``save_checkpoint``) or
+    ``"dcp"`` (plain ``dcp.save``, no completion marker); ``other`` holds
+    the entries that are not optimizer state (a model's, under ``"model"``).
+    Params are listed in the order ``.metadata`` holds them (the model's).
+    ``hyperparameters`` is None when ``read_hyperparameters=False`` (only
+    ``.metadata`` is read; params then form one group).
 
     Args:
         directory: The checkpoint directory.
-        read_hyperparameters: Also read the hyperparameters (not only ``.metadata``).
-        verify_checksums: Verify every file's checksum.
+        read_hyperparameters: Also read the hyperparameters (not only
+            ``.metadata``).
+        verify_checksums: Verify every item's CRC32 (when the save wrote
+            them; ``checksums_verified`` says whether it did).
 
     Returns:
         The description above.
@@ -280,19 +291,20 @@ def inspect_checkpoint(
     Raises:
         FileNotFoundError: No checkpoint there.
         IncompleteCheckpointError: The save never finished.
-        CorruptCheckpointError: Missing, truncated or replaced files, a checksum mismatch with
-            ``verify_checksums``, an unreadable item.
+        CorruptCheckpointError: Missing, truncated or replaced files, a
+            checksum mismatch with ``verify_checksums``, an unreadable item.
         UnsafeCheckpointError: ``.metadata`` or an item asks for code.
-        pickle.UnpicklingError: A ``.metadata`` that is not a pickle (or ``EOFError``).
+        pickle.UnpicklingError: A ``.metadata`` that is not a pickle (or
+            ``EOFError``).
     """
     path = os.path.abspath(os.fspath(directory))
-    marker, status = _integrity(path, verify_checksums)
+    marker, status, detail, verified = _integrity(path, verify_checksums)
     md = safe_read_metadata(path)
     if not marker:
         errors = _shard_errors(path, md)
         if errors:
             raise CorruptCheckpointError("\n  ".join(errors[:20]))
-    found, wanted = _collect(md)
+    found, wanted, others = _collect(md)
     values = _read_items(path, list(wanted)) if read_hyperparameters else None
     _fill(found, wanted, values)
     for entry in found.values():
@@ -304,125 +316,18 @@ def inspect_checkpoint(
     return {
         "directory": path,
         "status": status,
+        "detail": detail,
+        "checksums_verified": verified,
         "ranks": _ranks_that_wrote(path, marker),
         "files": len(files),
         "bytes_on_disk": sum(os.path.getsize(os.path.join(path, n)) for n in files),
         "optimizers": {k: found[k] for k in sorted(found)},
+        "other": others,
     }
 
 
-def _fmt(value: Any) -> str:
-    return f"{value:g}" if isinstance(value, float) else repr(value)
-
-
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GiB"
-
-
-def _layout_name(fmt: Any) -> str:
-    return {
-        3: "fsdp_dtensor (format 3)",
-        2: "fsdp_dtensor (format 2)",
-        1: "fsdp_dtensor (format 1, mfsdp_optim 0.1.0)",
-        "torch": "torch (get_optimizer_state_dict)",
-    }[fmt]
-
-
-def _render(report: dict) -> str:
-    lines = [report["status"]]
-    if not report["optimizers"]:
-        lines.append("it holds no optimizer state (no '<prefix>.state.<fqn>.<key>' entries)")
-    for prefix, entry in report["optimizers"].items():
-        lines.append(
-            f"[{prefix or '<root>'}] layout {_layout_name(entry['format'])}: "
-            f"{entry['params']} params, {entry['with_state']} with state, "
-            f"{len(entry['groups'])} group(s), {_size(entry['state_bytes'])} of state "
-            "tensors"
-        )
-        for gi, group in enumerate(entry["groups"]):
-            hyper = group["hyperparameters"]
-            if hyper is None:
-                shown = "hyperparameters not read (--no-values)"
-            else:
-                shown = " ".join(f"{k}={_fmt(v)}" for k, v in sorted(hyper.items())) or "(none)"
-            lines.append(f"  group {gi} ({len(group['params'])} params): {shown}")
-            width = max(len(f) for f in group["params"])
-            for fqn, p in group["params"].items():
-                state = ", ".join(
-                    f"{k} {s['dtype']} {'x'.join(map(str, s['shape'])) or 'scalar'}"
-                    for k, s in sorted(p["state"].items())
-                )
-                scalars = ", ".join(
-                    f"{k}={_fmt(v) if v is not None else '(not read)'}"
-                    for k, v in sorted(p["scalars"].items())
-                )
-                body = "; ".join(x for x in (state, scalars) if x) or (
-                    "no state (never stepped when saved)"
-                )
-                lines.append(f"    {fqn:<{width}}  {body}")
-    ranks = report["ranks"]
-    lines.append(
-        f"totals: {sum(e['params'] for e in report['optimizers'].values())} params, "
-        f"{_size(sum(e['state_bytes'] for e in report['optimizers'].values()))} of "
-        f"state tensors; {report['files']} files, {_size(report['bytes_on_disk'])} on "
-        f"disk; written by {ranks if ranks is not None else 'an unknown number of'} "
-        "rank(s)"
-    )
-    return "\n".join(lines)
-
-
-def _fail(code: int, message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return code
-
-
 def main(argv: list[str] | None = None) -> int:
-    """The command line; returns the exit status (0 whole, 2 bad input, 3 incomplete or
-    damaged)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m mfsdp_optim.checkpoint",
-        description="Inspect a torch.distributed.checkpoint optimizer checkpoint. Exit status: "
-        "0 whole, 2 bad input, 3 incomplete or damaged.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    ins = sub.add_parser(
-        "inspect", help="check a checkpoint and list its groups, params, shapes, dtypes and totals"
-    )
-    ins.add_argument("directory")
-    ins.add_argument("--json", action="store_true", help="print one JSON document")
-    ins.add_argument(
-        "--no-values",
-        action="store_true",
-        help="read nothing but .metadata (hyperparameters and steps not shown)",
-    )
-    ins.add_argument(
-        "--verify", action="store_true", help="also check every item's CRC32 (reads every byte)"
-    )
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse: 2 on bad usage, 0 on --help
-        return int(exc.code or 0)
-    try:
-        report = inspect_checkpoint(
-            args.directory, read_hyperparameters=not args.no_values, verify_checksums=args.verify
-        )
-    except FileNotFoundError as exc:
-        return _fail(2, str(exc))
-    except UnsafeCheckpointError as exc:
-        return _fail(2, f"{args.directory}: {exc}")
-    except (IncompleteCheckpointError, CorruptCheckpointError) as exc:
-        return _fail(3, str(exc))
-    except (pickle.UnpicklingError, EOFError, ValueError, OSError) as exc:
-        return _fail(
-            3, f"{args.directory}: .metadata is damaged or not DCP's ({type(exc).__name__}: {exc})"
-        )
-    if args.json:
-        print(json.dumps(report, indent=1, default=repr))
-    else:
-        print(_render(report))
-    return 0
+    """The command line (see ``_cli.main``)."""
+    from ._cli import main as cli_main
+
+    return cli_main(argv)
