@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from _checkpoint_helpers import same
+from _checkpoint_helpers import DATA, same
 from _v010 import GROUPS, STEPS, sharded_model, train, train_sharded
 
 from mfsdp_optim.checkpoint import (
@@ -18,9 +18,9 @@ from mfsdp_optim.checkpoint import (
     prune_to_checkpoint,
 )
 
-V010 = os.path.join(os.path.dirname(__file__), "data", "ckpt_v0_1_0")
-FORMAT2 = os.path.join(os.path.dirname(__file__), "data", "ckpt_format2")
-FORMAT3 = os.path.join(os.path.dirname(__file__), "data", "ckpt_format3")
+V010 = os.path.join(DATA, "ckpt_v0_1_0")
+FORMAT2 = os.path.join(DATA, "ckpt_format2")
+FORMAT3 = os.path.join(DATA, "ckpt_format3")
 
 
 def _full(optimizer, records) -> dict:
