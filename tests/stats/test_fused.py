@@ -57,7 +57,7 @@ def test_package_imports_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch, mfsdp_optim\n"
-        "from mfsdp_optim import _fused\n"
+        "from mfsdp_optim.stats import _fused\n"
         "assert _fused.shard_contribution([torch.ones(3)], norm_type=2.0, replication=1,"
         " canonical=True, count_zeros=True) is None\n"
         "assert not _fused._load_triton() if torch.cuda.is_available() else True\n"
