@@ -61,6 +61,7 @@ def test_table_reads_like_a_dict_of_read_only_mappings():
     # the stored leaves, which the loaders read
     assert t.leaf("a.b") == (H1, S) and dict(t.leaves()) == leaves
     assert t == leaves and t == GroupMetaTable.from_leaves(leaves) and t != {"a.w": (H1, S)}
+    assert t == dict(reversed(list(leaves.items())))  # FQN order aside, as dicts compare
     # distinct entries are held once; 1 and 1.0 are not merged
     assert t.hypers == (H1, H2, H3) and t.scalars == (S, ())
     assert type(t["c"]["lr"]) is int and type(t["d"]["lr"]) is float

@@ -162,8 +162,8 @@ class GroupMetaTable:
         return fqn in self._index
 
     def __eq__(self, other: object) -> bool:
-        """Equal to another table with the same leaves in the same order, or to a format-2
-        dict ``{fqn: (hyperparameters, scalars)}`` of the same leaves."""
+        """Equal to another table with the same leaves, or to a format-2 dict
+        ``{fqn: (hyperparameters, scalars)}`` of the same leaves (FQN order aside)."""
         if isinstance(other, GroupMetaTable):
             if self.fingerprint() == other.fingerprint():
                 return True
@@ -172,7 +172,7 @@ class GroupMetaTable:
             other_leaves = other
         else:
             return NotImplemented
-        if list(self.keys()) != list(other_leaves.keys()):
+        if self.keys() != other_leaves.keys():
             return False
         return all(leaf == other_leaves[fqn] for fqn, leaf in self.leaves())
 
