@@ -208,7 +208,7 @@ def _lockstep_warmup(n: int, contenders: list[Contender], noise: Contender, devi
         # read after the step: FSDP2 swaps the registered params between forward and backward
         named = [dict(c.model.named_parameters()) for c in contenders + [noise]]
         row = []
-        for c, params in zip(contenders + [noise], named):
+        for c, params in zip(contenders + [noise], named, strict=True):
             worst = max(
                 (_full(params[k]) - _full(v)).abs().max().item() for k, v in named[0].items()
             )
@@ -357,9 +357,13 @@ def _deviation(c: Contender, ref: Contender, evals, losses, start, ref_start) ->
         "training loss": abs(losses[c.name] - losses[ref.name]) / abs(losses[ref.name]),
         "batch-0 loss": abs(evals[c.name] - evals[ref.name]) / abs(evals[ref.name]),
         "loss fall": abs(fell - ref_fell) / abs(ref_fell),
+        # a norm count that differs is reported by _check; here it is simply out of tolerance
         "norms": max(
-            (abs(x - y) / max(abs(y), 1e-12) for x, y in zip(c.norms, ref.norms)), default=0.0
-        ),
+            (abs(x - y) / max(abs(y), 1e-12) for x, y in zip(c.norms, ref.norms, strict=True)),
+            default=0.0,
+        )
+        if len(c.norms) == len(ref.norms)
+        else math.inf,
     }
 
 
@@ -382,7 +386,7 @@ def _check(
         "noise band (stock/div vs stock, relative): "
         + ", ".join(f"{k} {v:.2e}" for k, v in band.items())
     )
-    for c, start in zip(contenders, start_loss):
+    for c, start in zip(contenders, start_loss, strict=True):
         if c is not ref:
             dev = _deviation(c, ref, evals, losses, start, start_loss[0])
             print(

@@ -307,7 +307,7 @@ def main() -> int:
         import triton
 
         triton_version = triton.__version__
-    except Exception:
+    except ImportError:
         triton_version = None
     env = {
         "date": datetime.date.today().isoformat(),

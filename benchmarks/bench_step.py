@@ -158,12 +158,13 @@ def _make_shapes(shapes, device, mesh, seed, dtensors=True):
     gen = torch.Generator(device=device).manual_seed(seed)
     locals_ = [torch.randn(shape, device=device, generator=gen) for shape in shapes]
     grads = [torch.randn(shape, device=device, generator=gen) * 1e-3 for shape in shapes]
-    params = []
-    for t, g in zip(locals_, grads if dtensors else []):
-        p = torch.nn.Parameter(DTensor.from_local(t.clone(), mesh, [Shard(0)], run_check=False))
+    params = [
+        torch.nn.Parameter(DTensor.from_local(t.clone(), mesh, [Shard(0)], run_check=False))
+        for t in (locals_ if dtensors else [])
+    ]
+    for p, g in zip(params, grads if dtensors else [], strict=True):
         p.grad = DTensor.from_local(g.clone(), mesh, [Shard(0)], run_check=False)
-        params.append(p)
-    for t, g in zip(locals_, grads):
+    for t, g in zip(locals_, grads, strict=True):
         t.grad = g
     return locals_, params
 

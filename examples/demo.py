@@ -453,8 +453,8 @@ def compare_and_plot(args: argparse.Namespace) -> bool:
     with open(os.path.join(args.out, "metrics_resume.json")) as f:
         b = json.load(f)
     first = b["start"]
-    ref = dict(zip(a["step"], a["loss"]))
-    rows = [(s, ref[s], lb) for s, lb in zip(b["step"], b["loss"])]
+    ref = dict(zip(a["step"], a["loss"], strict=True))
+    rows = [(s, ref[s], lb) for s, lb in zip(b["step"], b["loss"], strict=True)]
     diffs = [abs(la - lb) for _, la, lb in rows]
     tol = TOLERANCE[args.precision]
     worst = max(diffs)

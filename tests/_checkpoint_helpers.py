@@ -7,11 +7,16 @@ optimizer that every rank runs on the full tensors.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from _layouts import GradSpec, PlacementSpec, build_grad, global_tensor
 
 from mfsdp_optim._infra.params import ParamRecord
+
+# the checked-in checkpoints (tests/data/, see _v010.py, _format2.py, _format3.py)
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
 S0, S1, R = PlacementSpec("S", 0), PlacementSpec("S", 1), PlacementSpec("R")
 SS0 = PlacementSpec("SS", 0, 2)

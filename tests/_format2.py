@@ -4,9 +4,9 @@ Written by ``build_sharded_state_dict`` + ``save_checkpoint`` of the layout afte
 one ``(hyperparameters, scalars)`` leaf per FQN under ``param_to_group_meta``, ``state[fqn]``
 parameter-shaped tensors only) on 2 gloo CPU ranks, before format 3 replaced it. The model, the
 training and the independent reference are those of ``_v010.py`` (four DTensor params, two param
-groups, two steps, ``"frozen"`` never stepped); ``tests/test_checkpoint_format.py`` loads it with
-the current code, bit for bit. Regenerate (only to reproduce the history; the point of the fixture
-is that it is NOT regenerated)::
+groups, two steps, ``"frozen"`` never stepped); ``tests/checkpoint/test_checkpoint_format.py`` loads
+it with the current code, bit for bit. Regenerate (only to reproduce the history; the point of the
+fixture is that it is NOT regenerated)::
 
     PYTHONPATH=src python tests/_format2.py tests/data/ckpt_format2
 """

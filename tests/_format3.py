@@ -3,9 +3,9 @@
 Written by ``build_sharded_state_dict`` + ``save_checkpoint`` of format 3 (ONE ``GroupMetaTable``
 item under ``param_to_group_meta``, ``state[fqn]`` one DTensor per state key) on 2 gloo CPU ranks,
 before format 4 packed each param's state tensors into one. The model, the training and the
-independent reference are those of ``_v010.py``; ``tests/test_checkpoint_format.py`` loads it
-with the current code, bit for bit. Regenerate (only to reproduce the history; the point of the
-fixture is that it is NOT regenerated)::
+independent reference are those of ``_v010.py``; ``tests/checkpoint/test_checkpoint_format.py``
+loads it with the current code, bit for bit. Regenerate (only to reproduce the history; the point of
+the fixture is that it is NOT regenerated)::
 
     PYTHONPATH=src python tests/_format3.py tests/data/ckpt_format3
 """

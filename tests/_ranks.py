@@ -28,6 +28,7 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from queue import Empty
 from typing import Any
 
 __all__ = ["RankPool", "RankFailure", "get_pool", "shutdown_pools"]
@@ -127,7 +128,7 @@ class RankPool:
                 break
             try:
                 rank, status, value = self._results.get(timeout=min(remaining, 1.0))
-            except Exception:  # queue.Empty: check for dead workers and keep waiting
+            except Empty:  # queue.Empty: check for dead workers and keep waiting
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
                 if dead:
                     errors.update(
@@ -180,7 +181,7 @@ class RankPool:
         if not getattr(self, "alive", True):
             return
         self.alive = False
-        for proc, queue in zip(self._procs, self._tasks):
+        for proc, queue in zip(self._procs, self._tasks, strict=True):
             if proc.is_alive():
                 with contextlib.suppress(Exception):
                     queue.put(None)

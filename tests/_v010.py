@@ -1,10 +1,10 @@
 """The small optimizer checkpoint checked in under ``tests/data/ckpt_v0_1_0``, and how it was made.
 
 It was written by mfsdp_optim 0.1.0's ``build_sharded_state_dict`` + ``save_checkpoint`` (the
-fsdp_dtensor layout with one dict of hyperparameters per FQN and one ``step`` tensor per param) on
-2 gloo CPU ranks, before the layout changed. ``tests/test_checkpoint_format.py`` loads it with the
-current code and compares against :func:`train`, which recomputes the same state in one process
-from the same deterministic data (an independent reference: no file of ours is read for it).
+fsdp_dtensor layout with one dict of hyperparameters per FQN and one ``step`` tensor per param) on 2
+gloo CPU ranks, before the layout changed. ``tests/checkpoint/test_checkpoint_format.py`` loads it
+with the current code and compares against :func:`train`, which recomputes the same state in one
+process from the same deterministic data (an independent reference: no file of ours is read for it).
 
 Model: four DTensor params sharded ``Shard(0)`` over a 1-D mesh of the world, their base optimizer
 an Adam over the DTensors themselves (the wrapper's transparent case) with two param groups

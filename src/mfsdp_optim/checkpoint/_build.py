@@ -6,21 +6,25 @@ Layout (``fqn`` from the model's ``named_parameters()``; format 3, the current l
                ...},
      "param_to_group_meta": GroupMetaTable}     # ONE object for every param: one DCP item
 
-    table["layers.0.weight"] == (
+    table["layers.0.weight"] == {"betas": (0.9, 0.999), "eps": 1e-08, "lr": 0.001, ...,
+                                 "step": 12.0}             # a read-only mapping (GroupMeta)
+    table.leaf("layers.0.weight") == (
         (("betas", (0.9, 0.999)), ("eps", 1e-08), ("lr", 0.001), ...),   # hyperparameters
         (("step", 12.0, "float32"),))                                    # scalar state
 
 ``state[fqn]`` holds the parameter-shaped state only: DTensors in the parameter's layout, sharing
 storage with the live state; every rank with a shard (an empty one included) emits its
 ``state`` tensors. ``param_to_group_meta`` is a read-only ``GroupMetaTable`` (see ``_table``):
-``table[fqn]`` is the param's ``(hyperparameters, scalars)`` leaf, the param group's
+``table[fqn]`` is the param's read-only ``{hyperparameter: value}`` mapping, and
+``table.leaf(fqn)`` the stored ``(hyperparameters, scalars)`` leaf: the param group's
 hyperparameters (every key but ``params``) as sorted ``(name, plain value)`` pairs and the
 param's scalar state (``step``) as sorted ``(key, value, dtype)`` triples, ``dtype`` the name of
 the 0-d tensor's dtype (``"float32"``) or ``None`` for a plain Python value; ``()`` for a param
 no rank has state for. The table is not a Mapping, so DCP stores it whole: the flat keys are
 ``optimizer.state.<fqn>.<key>`` (one tensor item each) and ``optimizer.param_to_group_meta``
 (ONE item for all params), with the ``"optimizer"`` prefix the caller saves it under. On disk it
-is a tagged tuple of builtins that unpickles without this package.
+is a tagged tuple of builtins that unpickles without this package; the returned dict (an
+``OptimizerStateDict``) turns it back into a table when ``dcp.load`` stores it.
 
 DCP keeps one copy of a non-tensor item, so the table is IDENTICAL on every rank and covers the
 whole keyspace: every FQN that any rank's base optimizer holds. When the ranks' digests agree
@@ -44,7 +48,7 @@ from .._infra.params import ParamRecord
 from ._keyspace import Keyspace, agree, describe, digest, local_keyspace, merge
 from ._layout import placeholder, wrap
 from ._materialize import materialize_optimizer_state
-from ._table import GroupMetaTable
+from ._table import GroupMetaTable, OptimizerStateDict
 
 __all__ = ["KeyspaceError", "build_sharded_state_dict"]
 
@@ -93,8 +97,8 @@ def build_sharded_state_dict(
             of the params.
 
     Returns:
-        ``{"state": {fqn: {key: DTensor}}, "param_to_group_meta": GroupMetaTable}``, the state
-            DTensors sharing storage with the live state.
+        ``{"state": {fqn: {key: DTensor}}, "param_to_group_meta": GroupMetaTable}`` (an
+            ``OptimizerStateDict``), the state DTensors sharing storage with the live state.
 
     Raises:
         KeyspaceError: On every rank, when some rank holds state that cannot be laid out
@@ -133,7 +137,7 @@ def build_sharded_state_dict(
                 entry[key] = placeholder(slot, rec.param)
         if entry:
             state[rec.fqn] = entry
-    return {"state": state, "param_to_group_meta": table}
+    return OptimizerStateDict(state=state, param_to_group_meta=table)
 
 
 def _table(keyspace: Keyspace) -> GroupMetaTable:

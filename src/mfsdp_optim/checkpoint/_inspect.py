@@ -220,7 +220,7 @@ def _fill_table(entry: dict, value: Any, key: str) -> None:
         table = as_table(value, key)
     except ValueError as exc:
         raise CorruptCheckpointError(str(exc)) from None
-    for fqn, (hyper, scalars) in table.items():
+    for fqn, (hyper, scalars) in table.leaves():
         p = entry["params"].setdefault(fqn, {"state": {}, "scalars": {}, "leaf": None, "hyper": {}})
         p["hyper"] = dict(hyper)
         p["scalars"].update({k: v for k, v, _ in scalars})

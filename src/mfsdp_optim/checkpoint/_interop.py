@@ -8,9 +8,9 @@ torch (unflattened, ``StateDictOptions(flatten_optimizer_state_dict=False)``)::
 fsdp_dtensor (format 3; see ``_build``)::
 
     {"state": {fqn: {"exp_avg": DTensor}},
-     "param_to_group_meta": GroupMetaTable}   # table[fqn] == ((("betas", (0.9, 0.999)),
-                                              #                 ("lr", 0.01), ...),
-                                              #                (("step", 3.0, "float32"),))
+     "param_to_group_meta": GroupMetaTable}   # table.leaf(fqn) == ((("betas", (0.9, 0.999)),
+                                              #                      ("lr", 0.01), ...),
+                                              #                     (("step", 3.0, "float32"),))
 
 Parameter-shaped state tensors are shared, never copied; scalar state (``step``) moves between a
 0-d tensor in torch's ``state[fqn]`` and a plain number in the ``param_to_group_meta`` leaf (a new
@@ -28,7 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ._load import as_format1
-from ._table import GroupMetaTable
+from ._table import GroupMetaTable, OptimizerStateDict
 from ._values import EXCLUDED_GROUP_KEYS, dtype_name, to_plain
 
 __all__ = ["from_torch_state_dict", "to_torch_state_dict"]
@@ -91,12 +91,12 @@ def from_torch_state_dict(osd: dict) -> dict:
         scalars[fqn] = tuple(
             sorted(_scalar(fqn, k, v) for k, v in entry.items() if not _is_param_shaped(v))
         )
-    return {
-        "state": {fqn: e for fqn, e in tensors.items() if e},
-        "param_to_group_meta": GroupMetaTable.from_leaves(
+    return OptimizerStateDict(
+        state={fqn: e for fqn, e in tensors.items() if e},
+        param_to_group_meta=GroupMetaTable.from_leaves(
             (fqn, (hyper, scalars.get(fqn, ()))) for fqn, hyper in hyper_of.items()
         ),
-    }
+    )
 
 
 def _is_param_shaped(value: Any) -> bool:

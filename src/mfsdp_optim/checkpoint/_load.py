@@ -67,7 +67,7 @@ def as_format2(sd: dict) -> dict:
     Raises ``ValueError`` for a malformed tagged tuple."""
     if not isinstance(sd, dict) or not is_table(sd.get("param_to_group_meta")):
         return sd
-    return {**sd, "param_to_group_meta": dict(as_table(sd["param_to_group_meta"]).items())}
+    return {**sd, "param_to_group_meta": dict(as_table(sd["param_to_group_meta"]).leaves())}
 
 
 def _own_leaves(sd: Any, records: Sequence[ParamRecord]) -> Any:
@@ -76,7 +76,10 @@ def _own_leaves(sd: Any, records: Sequence[ParamRecord]) -> Any:
     if not isinstance(sd, dict) or not is_table(sd.get("param_to_group_meta")):
         return sd
     table = as_table(sd["param_to_group_meta"])
-    return {**sd, "param_to_group_meta": {r.fqn: table[r.fqn] for r in records if r.fqn in table}}
+    return {
+        **sd,
+        "param_to_group_meta": {r.fqn: table.leaf(r.fqn) for r in records if r.fqn in table},
+    }
 
 
 def as_format1(sd: dict) -> dict:

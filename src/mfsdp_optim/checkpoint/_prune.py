@@ -76,7 +76,7 @@ def prune_to_checkpoint(state_dict: dict, checkpoint: Any, *, prefix: str = "opt
             finished DCP checkpoint).
     """
     from ._load import as_format1, as_format2
-    from ._table import GroupMetaTable, as_table, is_table
+    from ._table import GroupMetaTable, OptimizerStateDict, as_table, is_table
 
     md = read_metadata(checkpoint).state_dict_metadata
     meta = state_dict.get("param_to_group_meta")
@@ -93,4 +93,4 @@ def prune_to_checkpoint(state_dict: dict, checkpoint: Any, *, prefix: str = "opt
     for fqn, entry in state_dict["state"].items():
         if any(f"{prefix}.state.{fqn}.{key}" in md for key in entry):
             kept[fqn] = entry
-    return {**state_dict, "state": kept}
+    return OptimizerStateDict({**state_dict, "state": kept})

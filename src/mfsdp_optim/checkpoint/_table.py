@@ -1,32 +1,36 @@
 """``param_to_group_meta`` of format 3: ONE read-only table, so ONE DCP item for every param.
 
-In memory it is a ``GroupMetaTable``: ``table[fqn]`` is the param's ``(hyperparameters,
-scalars)`` leaf, exactly as a format-2 dict gave it (see ``_build``), and it offers ``keys()``,
-``items()``, ``values()``, iteration, ``len``, ``in``, ``get`` and equality (with another table or
-a format-2 mapping of the same leaves). It is deliberately NOT a ``collections.abc.Mapping``:
-DCP's traversal stores every non-Mapping, non-list object whole, so the table is one
-``BytesStorageMetadata`` item (``optimizer.param_to_group_meta``) however many params it covers.
+In memory it is a ``GroupMetaTable``: ``table[fqn]`` is a read-only ``GroupMeta`` mapping
+``{hyperparameter: value}`` (every param-group key but ``params``, plus scalar state such as
+``step``), as Megatron's fsdp_dtensor per-FQN dict reads (``meta["lr"]``, ``meta.items()``,
+``dict(meta)``). ``leaf(fqn)`` / ``leaves()`` give the stored ``(hyperparameters, scalars)``
+tuples the loaders work on. The table is deliberately NOT a ``collections.abc.Mapping``: DCP
+stores every non-Mapping object whole, so it is one ``BytesStorageMetadata`` item.
 
 Inside, every distinct hyperparameter tuple and every distinct scalar tuple is held once and an
-index maps each FQN to ``(hyper index, scalar index)``: 36k params of a handful of groups with
-equal steps cost a handful of distinct entries plus the index. On disk it pickles as a tagged
-tuple of builtins only::
-
-    ("mfsdp_optim.param_to_group_meta", 3, hypers, scalars, {fqn: (hyper_index, scalar_index)})
-
-so a reader without this package (``torch.distributed.checkpoint.format_utils``, a plain
-``torch.load``) can read it. After ``dcp.load`` the target holds that tuple (DCP puts the
-unpickled object in place of the table); ``as_table()`` turns it back into a table and every
-loader of this package accepts both forms.
+index maps each FQN to ``(hyper index, scalar index)``. On disk it pickles as a tagged tuple of
+builtins only, ``("mfsdp_optim.param_to_group_meta", 3, hypers, scalars, {fqn: (h, s)})``, so a
+reader without this package can read it. ``dcp.load`` stores that tuple in place of the table
+with ``container[key] = value``; ``OptimizerStateDict``, the dict this package's state dicts
+are, turns it back into a table there, so ``sd["param_to_group_meta"][fqn]`` works after a load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["TAG", "VERSION", "GroupMetaTable", "as_table", "is_table"]
+__all__ = [
+    "TAG",
+    "VERSION",
+    "GroupMeta",
+    "GroupMetaTable",
+    "OptimizerStateDict",
+    "as_table",
+    "is_table",
+]
 
 TAG = "mfsdp_optim.param_to_group_meta"
 VERSION = 3
@@ -34,11 +38,46 @@ VERSION = 3
 Leaf = tuple[tuple, tuple]  # (hyperparameters, scalars) of one param
 
 
+class GroupMeta(Mapping):
+    """One param's ``{hyperparameter: value}``, read-only: its param group's hyperparameters
+    (every key but ``params``) and its scalar state (``step``; a 0-d tensor's value as a plain
+    number). A scalar state key that is also a group key (apex keeps a group-level ``step``)
+    shows the param's own value; ``GroupMetaTable.leaf()`` keeps both.
+
+    ``meta["lr"]``, ``meta.items()``, ``dict(meta)``, ``==`` with a dict; assignment raises
+    ``TypeError``. Pickles as a plain ``dict``.
+    """
+
+    __slots__ = ("_values",)
+
+    def __init__(self, hyper: tuple, scalars: tuple):
+        values = dict(hyper)
+        values.update((key, value) for key, value, _ in scalars)
+        self._values = values
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"GroupMeta({self._values!r})"
+
+    def __reduce__(self):
+        return (dict, (dict(self._values),))
+
+
 class GroupMetaTable:
     """Every param's ``(hyperparameters, scalars)`` leaf, keyed by FQN, stored deduplicated.
 
     Read-only: build one with ``from_leaves()`` (or ``as_table()`` of the on-disk tuple).
-    ``table[fqn]`` raises ``KeyError`` for an FQN it does not cover.
+    ``table[fqn]`` is the param's ``GroupMeta`` (one shared object per distinct leaf) and
+    raises ``KeyError`` for an FQN it does not cover; ``keys()``, ``items()``, ``values()``,
+    ``get()``, iteration, ``len`` and ``in`` read like a dict of those.
 
     Args:
         hypers: The distinct hyperparameter tuples (sorted ``(name, plain value)`` pairs).
@@ -46,13 +85,14 @@ class GroupMetaTable:
         index: ``{fqn: (hyper index, scalar index)}`` into those, in the table's FQN order.
     """
 
-    __slots__ = ("_fingerprint", "_hypers", "_index", "_scalars")
+    __slots__ = ("_fingerprint", "_hypers", "_index", "_metas", "_scalars")
 
     def __init__(self, hypers: tuple, scalars: tuple, index: Mapping[str, tuple[int, int]]):
         self._hypers = tuple(hypers)
         self._scalars = tuple(scalars)
         self._index = dict(index)
         self._fingerprint: str | None = None
+        self._metas: dict[tuple[int, int], GroupMeta] = {}
 
     @classmethod
     def from_leaves(cls, leaves: Any) -> GroupMetaTable:
@@ -72,7 +112,7 @@ class GroupMetaTable:
             index[fqn] = (_intern(hyper, hypers, seen_h), _intern(scalar, scalars, seen_s))
         return cls(tuple(hypers), tuple(scalars), index)
 
-    # -- the per-FQN view of a format-2 dict ------------------------------------------------
+    # -- the per-FQN read-only mappings -------------------------------------------------------
 
     @classmethod
     def concat(cls, tables: list[GroupMetaTable]) -> GroupMetaTable:
@@ -90,9 +130,14 @@ class GroupMetaTable:
                 index[fqn] = (h0 + h, s0 + sc)
         return cls(tuple(hypers), tuple(scalars), index)
 
-    def __getitem__(self, fqn: str) -> Leaf:
-        h, s = self._index[fqn]
-        return self._hypers[h], self._scalars[s]
+    def __getitem__(self, fqn: str) -> GroupMeta:
+        return self._meta(self._index[fqn])
+
+    def _meta(self, pos: tuple[int, int]) -> GroupMeta:
+        meta = self._metas.get(pos)
+        if meta is None:
+            meta = self._metas[pos] = GroupMeta(self._hypers[pos[0]], self._scalars[pos[1]])
+        return meta
 
     def get(self, fqn: str, default: Any = None) -> Any:
         """``table[fqn]``, or ``default`` for an FQN the table does not cover."""
@@ -102,14 +147,26 @@ class GroupMetaTable:
         """The FQNs, in the table's order (a read-only view)."""
         return self._index.keys()
 
-    def items(self) -> Iterator[tuple[str, Leaf]]:
+    def items(self) -> Iterator[tuple[str, GroupMeta]]:
+        """``(fqn, GroupMeta)`` pairs, in the table's order."""
+        return ((fqn, self._meta(pos)) for fqn, pos in self._index.items())
+
+    def values(self) -> Iterator[GroupMeta]:
+        """The ``GroupMeta`` of every FQN, in the table's order."""
+        return (self._meta(pos) for pos in self._index.values())
+
+    # -- the stored leaves (format 2's per-FQN tuples) ---------------------------------------
+
+    def leaf(self, fqn: str) -> Leaf:
+        """The param's stored ``(hyperparameters, scalars)``: sorted ``(name, value)`` pairs and
+        sorted ``(key, value, dtype name or None)`` triples. ``KeyError`` for an unknown FQN."""
+        h, s = self._index[fqn]
+        return self._hypers[h], self._scalars[s]
+
+    def leaves(self) -> Iterator[tuple[str, Leaf]]:
         """``(fqn, (hyperparameters, scalars))`` pairs, in the table's order."""
         hypers, scalars = self._hypers, self._scalars
         return ((fqn, (hypers[h], scalars[s])) for fqn, (h, s) in self._index.items())
-
-    def values(self) -> Iterator[Leaf]:
-        """The ``(hyperparameters, scalars)`` leaves, in the table's order."""
-        return (leaf for _, leaf in self.items())
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._index)
@@ -121,17 +178,19 @@ class GroupMetaTable:
         return fqn in self._index
 
     def __eq__(self, other: object) -> bool:
+        """Equal to another table with the same leaves, or to a format-2 dict
+        ``{fqn: (hyperparameters, scalars)}`` of the same leaves (FQN order aside)."""
         if isinstance(other, GroupMetaTable):
             if self.fingerprint() == other.fingerprint():
                 return True
-            other_items: Any = other
+            other_leaves: Any = dict(other.leaves())
         elif isinstance(other, Mapping):
-            other_items = other
+            other_leaves = other
         else:
             return NotImplemented
-        if self.keys() != other_items.keys():
+        if self.keys() != other_leaves.keys():
             return False
-        return all(leaf == other_items[fqn] for fqn, leaf in self.items())
+        return all(leaf == other_leaves[fqn] for fqn, leaf in self.leaves())
 
     __hash__ = None  # type: ignore[assignment]  # equal to mutable mappings: not hashable
 
@@ -238,3 +297,17 @@ def _check_parts(where: str, hypers: Any, scalars: Any, index: Any) -> None:
                 f"{where}: index entry {fqn!r} -> {pos!r} is not (hyper index < {nh}, "
                 f"scalar index < {ns})"
             )
+
+
+class OptimizerStateDict(dict):
+    """The fsdp_dtensor state dict: a plain ``dict`` whose ``"param_to_group_meta"`` entry,
+    when set to a format-3 table's on-disk tuple (what ``dcp.load`` unpickles and stores with
+    ``sd[key] = value``), holds the table again, so ``sd["param_to_group_meta"][fqn]`` reads the
+    same after a load. A malformed tuple is kept as read: the loaders then say what is wrong."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if key == "param_to_group_meta" and isinstance(value, tuple) and is_table(value):
+            # a malformed tuple stays as read: the loaders report it with the item's name
+            with contextlib.suppress(ValueError):
+                value = as_table(value)
+        super().__setitem__(key, value)

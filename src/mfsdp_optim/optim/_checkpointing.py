@@ -54,7 +54,7 @@ def build_state_dict(
 ) -> dict[str, Any]:
     """The fsdp_dtensor state dict over every engine's params."""
     from ..checkpoint import build_sharded_state_dict
-    from ..checkpoint._table import GroupMetaTable
+    from ..checkpoint._table import GroupMetaTable, OptimizerStateDict
 
     parts = []
     for e in engines:
@@ -72,7 +72,7 @@ def build_state_dict(
     for part in parts:
         state.update(part["state"])
     table = GroupMetaTable.concat([p["param_to_group_meta"] for p in parts])
-    return {"state": state, "param_to_group_meta": table}
+    return OptimizerStateDict(state=state, param_to_group_meta=table)
 
 
 def load_state_dict(engines: Sequence[Engine], sd: dict[str, Any]) -> None:

@@ -85,7 +85,7 @@ def test_cpu_path_matches_float64_brute_force(data, p, dtype):
     if not torch.isfinite(slot):
         assert torch.equal(got.isnan(), slot.isnan()) and torch.equal(got.isinf(), slot.isinf())
         return
-    # the norm the user sees, to the suite's tolerance (tests/test_stats_math.py)
+    # the norm the user sees, to the suite's tolerance (tests/stats/test_stats_math.py)
     expected = slot if math.isinf(p) else slot ** (1.0 / p)
     torch.testing.assert_close(
         finish_norm(got, p).double(), expected.to(torch.float32).double(), rtol=1e-5, atol=1e-30

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FENCE_OPEN = re.compile(r"^(?P<indent>\s*)(?P<ticks>`{3,})\s*(?P<info>[^`]*)$")
 MARKER = re.compile(r"^\s*<!--\s*test:\s*(?P<what>.*?)\s*-->\s*$")
 MAX_SKIPPED_FRACTION = 0.25

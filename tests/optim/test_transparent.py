@@ -32,7 +32,7 @@ def _pair(cls, kw, filt: bool):
     """(stock model, stock optimizer, model, base, wrapper) on one 1-D mesh."""
     import torch.distributed as dist
     from _layouts import get_mesh
-    from test_optimizer import _model, _shard
+    from _models import _model, _shard
 
     from mfsdp_optim import FullyShardedOptimizer, OptimizerConfig
 
@@ -57,7 +57,7 @@ def _pair(cls, kw, filt: bool):
 
 
 def _train(model, opt, steps, start=0):
-    from test_optimizer import _batch
+    from _models import _batch
 
     for step in range(start, start + steps):
         model(_batch(step)).pow(2).mean().backward()
@@ -178,7 +178,7 @@ def _rank_transparent(name: str, filt: bool, ckpt_dir: str):
             h.remove()
 
     # base.zero_grad() clears the model's grads
-    from test_optimizer import _batch
+    from _models import _batch
 
     model(_batch(9)).sum().backward()
     base.zero_grad()
@@ -217,7 +217,10 @@ def _rank_transparent(name: str, filt: bool, ckpt_dir: str):
         set_optimizer_state_dict(m, o, osd)
     with torch.no_grad():  # the params come from the trained models, as a model checkpoint would
         for (_, p), (_, q), (_, r) in zip(
-            model2.named_parameters(), stock_model2.named_parameters(), model.named_parameters()
+            model2.named_parameters(),
+            stock_model2.named_parameters(),
+            model.named_parameters(),
+            strict=True,
         ):
             p._local_tensor.copy_(r._local_tensor)
             q._local_tensor.copy_(r._local_tensor)
@@ -276,7 +279,7 @@ def test_stock_checkpoint_reshards(ranks, tmp_path, name):
 def _rank_compiled_fqns():
     import torch.distributed as dist
     from _layouts import get_mesh
-    from test_optimizer import _model, _shard
+    from _models import _model, _shard
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     from mfsdp_optim import FullyShardedOptimizer

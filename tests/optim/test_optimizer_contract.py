@@ -9,7 +9,7 @@ import math
 import warnings
 
 import torch
-from test_optimizer import _batch, _model, _shard
+from _models import _batch, _model, _shard
 
 
 def _moe(stripe: int):
@@ -116,7 +116,7 @@ def _rank_moe():
     planted(model, opt.scale_loss)
     ok, norm, zeros = opt.step()
     assert not ok and math.isnan(norm) and zeros is None
-    assert all(torch.equal(a, p._local_tensor) for a, p in zip(before, params))
+    assert all(torch.equal(a, p._local_tensor) for a, p in zip(before, params, strict=True))
     assert len(opt.state) == 0, "a skipped step must not create optimizer state"
     out["ours_found_inf"] = True
     out["scale_after_skip"] = scaler.get_scale()
@@ -191,7 +191,7 @@ def _rank_cast_sched_hooks_rebind():
         ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05))
         ref_opt.step()
         assert ok and math.isclose(norm, ref_norm, rel_tol=1e-5), (norm, ref_norm)
-        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
             assert p.grad.dtype == torch.bfloat16, "grad dtype restored"
             torch.testing.assert_close(p.grad.full_tensor(), q.grad.bfloat16(), msg=n)
             torch.testing.assert_close(p.full_tensor(), q.detach(), msg=n)
@@ -448,6 +448,7 @@ def _rank_add_param_group():
         for p, q in zip(
             [*first.parameters(), *second.parameters()],
             [*ref_first.parameters(), *ref_second.parameters()],
+            strict=True,
         )
     )
     return names, errors, same

@@ -63,7 +63,7 @@ def _wrapped(cls, kw, fold: bool, bf16: bool, steps: int, device: str):
         for s in SHAPES
     ]
     # torch's kernels: the fold is theirs (the default Triton step on CUDA applies the clip
-    # inside its update and leaves the grads unclipped: tests/test_triton_adam.py)
+    # inside its update and leaves the grads unclipped: tests/optim/test_triton_adam.py)
     config = OptimizerConfig(clip_grad=CLIP, triton_adam_step=False)
     opt = FullyShardedOptimizer(cls(params, **kw), config)
     old = os.environ.pop(DISABLE_CLIP_FOLD_ENV, None)
@@ -73,7 +73,7 @@ def _wrapped(cls, kw, fold: bool, bf16: bool, steps: int, device: str):
     try:
         for step in range(steps):
             opt.zero_grad()
-            for p, g in zip(params, _grads(step, bf16, device)):
+            for p, g in zip(params, _grads(step, bf16, device), strict=True):
                 if g.dtype != p.dtype:
                     p.grad_dtype = None
                 p.grad = DTensor.from_local(g, mesh, [Shard(0)], run_check=False)
@@ -103,7 +103,7 @@ def _reference(cls, kw, bf16: bool, steps: int, device: str):
     opt = cls(params, **kw)
     norms = []
     for step in range(steps):
-        for p, g in zip(params, _grads(step, bf16, device)):
+        for p, g in zip(params, _grads(step, bf16, device), strict=True):
             p.grad = g.to(p.dtype)
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, CLIP)))
         opt.step()
@@ -134,7 +134,7 @@ def _rank_fold(bf16: bool, device: str):
                 assert set(state[i]) == set(ref[2][i]), tag
                 for k in state[i]:
                     _close(f"{tag} state {i} {k}", state[i][k], ref[2][i][k])
-            for n, r in zip(norms, ref[3]):
+            for n, r in zip(norms, ref[3], strict=True):
                 assert abs(n - r) <= 1e-5 * r, (tag, n, r)
             out[(name, fold)] = folds
     return out

@@ -258,7 +258,7 @@ def test_keyspace_identical_and_one_collective(ranks, alias, filter_empty):
         assert meta.as_tuple() == as_table(out[0][1]).as_tuple()
         assert all(
             {k: v for k, v, _ in leaf[1]} == {"step": float(STEPS)} and dict(leaf[0])["amsgrad"]
-            for leaf in meta.values()
+            for _, leaf in meta.leaves()
         )
         # the agreement is ONE all-reduce of a fixed-size digest; with the filter on, the ranks
         # whose optimizer holds fewer params make the tables differ, so the detailed gather
@@ -351,11 +351,11 @@ def _materialize(opt_name, alias):
 
 
 def _steps(sd) -> dict[str, float]:
-    """{fqn: step} for the params whose state holds a step counter (format 2: the scalars of
-    the param's ``param_to_group_meta`` leaf)."""
+    """{fqn: step} for the params whose state holds a step counter (the scalars of the param's
+    ``param_to_group_meta`` leaf)."""
     return {
         f: float(v)
-        for f, (_, scalars) in sd["param_to_group_meta"].items()
+        for f, (_, scalars) in sd["param_to_group_meta"].leaves()
         for k, v, _ in scalars
         if k == "step"
     }

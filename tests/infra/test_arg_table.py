@@ -1,4 +1,4 @@
-"""The persistent kernel argument tables (``_arg_table``, ``_fused.StatsTable``,
+"""The persistent kernel argument tables (``_infra.device_table``, ``_fused.StatsTable``,
 ``_triton_adam.AdamTable``) on CPU tensors: their contents, when they are rebuilt or patched,
 and the holder logic of ``TritonAdam``; no kernel is launched (except under Triton's
 interpreter, ``TRITON_INTERPRET=1``, see the last tests)."""
@@ -390,9 +390,9 @@ def test_interpreted_adam_with_moving_grads(interpreted_adam):
         _torch_adamw(ref[0], g, ref[1], ref[2], ref[3], divisor)
         g = [x * 0.5 + 1e-3 * step for x in g]  # new grads at new addresses
     assert tri.builds == 1 and tab.table.uploads == 3
-    for a, b in zip(p, ref[0]):
+    for a, b in zip(p, ref[0], strict=True):
         torch.testing.assert_close(a, b, rtol=5e-5, atol=1e-5)
-    assert all(torch.equal(a, b) for a, b in zip(s, ref[3]))
+    assert all(torch.equal(a, b) for a, b in zip(s, ref[3], strict=True))
 
 
 @interpret

@@ -39,7 +39,10 @@ def _apex_fused_adam():
     try:
         import amp_C  # noqa: F401  (the CUDA extension FusedAdam needs)
         from apex.optimizers import FusedAdam
-    except Exception:
+    except (
+        ImportError,
+        OSError,
+    ):  # apex without its CUDA extension, or one built for another torch
         return None
     return FusedAdam
 

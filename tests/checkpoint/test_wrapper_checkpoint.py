@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from test_optimizer import _batch, _model, _shard
+from _models import _batch, _model, _shard
 
 STEPS_BEFORE, STEPS_AFTER = 3, 2
 
@@ -120,7 +120,7 @@ def test_save_on_4_load_elsewhere_bit_exact_and_training_continues(
             assert torch.equal(state[key], value), f"{key} differs after the reshard"
         # the resumed run follows the uninterrupted one (reduction order differs with the
         # world size, so float tolerance, not bits)
-        for (ok, norm), (ok0, norm0) in zip(after, after0):
+        for (ok, norm), (ok0, norm0) in zip(after, after0, strict=True):
             assert ok == ok0
             assert norm == pytest.approx(norm0, rel=1e-5)
         for name, p in params.items():

@@ -65,7 +65,7 @@ class MasterSGD(torch.optim.Optimizer):
 def _models():
     import torch.distributed as dist
     from _layouts import get_mesh
-    from test_optimizer import _model, _shard
+    from _models import _model, _shard
 
     mesh = get_mesh((dist.get_world_size(),))
     sizes = (6, 5, 3, 1)  # 1- and 3-row layers: empty shards on 2 and 3 ranks
@@ -76,7 +76,7 @@ def _models():
 
 
 def _rank_master_sgd(filt: bool):
-    from test_optimizer import _batch
+    from _models import _batch
     from torch.distributed.tensor import DTensor
 
     from mfsdp_optim import FullyShardedOptimizer, OptimizerConfig
@@ -98,7 +98,9 @@ def _rank_master_sgd(filt: bool):
             opt.zero_grad()
         # the optimizer's lists: the same objects, holding the same master DTensors again
         assert [g["params"] for g in base.param_groups_master] == lists
-        assert all(a is b for x, y in zip(lists, masters) for a, b in zip(x, y, strict=True))
+        assert all(
+            a is b for x, y in zip(lists, masters, strict=True) for a, b in zip(x, y, strict=True)
+        )
         assert base.param_groups[0]["step"] == step + 1
     out = {}
     for (n, p), q in zip(model.named_parameters(), stock_model.parameters(), strict=True):
@@ -135,8 +137,8 @@ def _rank_materialize():
     wrapper = FullyShardedOptimizer(base, model_chunks=[model])
     sd = wrapper.sharded_state_dict(is_loading=True)
     after = [list(g["params"]) for g in base.param_groups_master]
-    assert all(a is b for x, y in zip(lists, after) for a, b in zip(x, y, strict=True))
-    for x, y in zip(before, base.param_groups_master):
+    assert all(a is b for x, y in zip(lists, after, strict=True) for a, b in zip(x, y, strict=True))
+    for x, y in zip(before, base.param_groups_master, strict=True):
         for a, b in zip(x, y["params"], strict=True):
             assert torch.equal(a, b._local_tensor), "materialising moved a master"
     return sorted(sd["state"]), {k for st in sd["state"].values() for k in st}
@@ -148,7 +150,7 @@ def test_materialize_steps_a_scratch_copy_with_aligned_masters(ranks):
 
 
 def _rank_drifted():
-    from test_optimizer import _batch
+    from _models import _batch
 
     from mfsdp_optim import FullyShardedOptimizer
 
@@ -172,7 +174,7 @@ def test_drifted_master_lists_are_refused_before_the_step(ranks):
 
 def _rank_checkpoint(ckpt_dir: str):
     import torch.distributed.checkpoint as dcp
-    from test_optimizer import _batch
+    from _models import _batch
 
     from mfsdp_optim import FullyShardedOptimizer
 

@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from _models import _batch, _model, _shard
 
 OPTIMIZERS = {
     "SGD": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01)),
@@ -31,32 +32,6 @@ FUSED_ON_CPU = ("SGD", "Adam", "AdamW", "Adagrad")
 
 # ---------------------------------------------------------------------------------------------
 # rank-side helpers
-
-
-def _model(seed: int, sizes=(6, 5, 3, 1)) -> torch.nn.Module:
-    gen = torch.Generator().manual_seed(seed)
-    layers = []
-    for i in range(len(sizes) - 1):
-        lin = torch.nn.Linear(sizes[i], sizes[i + 1])
-        with torch.no_grad():
-            lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) * 0.5)
-            lin.bias.copy_(torch.randn(lin.bias.shape, generator=gen) * 0.5)
-        layers += [lin, torch.nn.Tanh()]
-    return torch.nn.Sequential(*layers[:-1])
-
-
-def _batch(step: int, seed: int = 100, in_dim: int = 6) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed + step)
-    return torch.randn(8, in_dim, generator=gen)
-
-
-def _shard(model: torch.nn.Module, mesh) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    for m in model:
-        if isinstance(m, torch.nn.Linear):
-            fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
 
 
 def _full_state(opt_state: dict, param) -> dict:
@@ -283,7 +258,7 @@ def _rank_filter_and_stubs():
         assert ok and math.isclose(norm, ref_norm, rel_tol=1e-5), (norm, ref_norm)
         stub_norms.append(norm)
     if holds:
-        for (_n, p), q in zip(model.named_parameters(), ref.parameters()):
+        for (_n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(p.full_tensor(), q.detach(), atol=1e-6, rtol=1e-5)
     out["stub_norms"] = stub_norms
     return out

@@ -104,7 +104,7 @@ def _rank_clip(specs, max_norm):
     norm = get_grad_norm(grads)
     # torch's convention: parameters in, their .grad scaled, their values untouched
     params = [torch.nn.Parameter(torch.full_like(g, 3.0)) for g in grads]
-    for p, g in zip(params, grads):
+    for p, g in zip(params, grads, strict=True):
         p.grad = g
     frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)  # no grad: skipped
     with count_collectives() as counts:
@@ -304,12 +304,12 @@ def test_clip_matches_torch_on_the_global_tensors(ranks, case, max_norm):
         # torch's own clip on the global tensors this rank sees
         reference = [
             torch.nn.Parameter(torch.zeros_like(b, dtype=DTYPES[s.dtype]))
-            for b, s in zip(before, specs)
+            for b, s in zip(before, specs, strict=True)
         ]
-        for ref, b, s in zip(reference, before, specs):
+        for ref, b, s in zip(reference, before, specs, strict=True):
             ref.grad = b.to(DTYPES[s.dtype])  # the same dtype the sharded grads have
         torch.nn.utils.clip_grads_with_norm_(reference, max_norm, torch.tensor(norm))
-        for g, ref, b, _s in zip(got, reference, before, specs):
+        for g, ref, b, _s in zip(got, reference, before, specs, strict=True):
             torch.testing.assert_close(g.to(ref.grad.dtype), ref.grad, rtol=1e-6, atol=0.0)
             if coef < 1:
                 assert not torch.equal(g, b) or not b.any()

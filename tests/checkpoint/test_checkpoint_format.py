@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from _checkpoint_helpers import same
+from _checkpoint_helpers import DATA, same
 from _v010 import GROUPS, STEPS, sharded_model, train, train_sharded
 
 from mfsdp_optim.checkpoint import (
@@ -18,9 +18,9 @@ from mfsdp_optim.checkpoint import (
     prune_to_checkpoint,
 )
 
-V010 = os.path.join(os.path.dirname(__file__), "data", "ckpt_v0_1_0")
-FORMAT2 = os.path.join(os.path.dirname(__file__), "data", "ckpt_format2")
-FORMAT3 = os.path.join(os.path.dirname(__file__), "data", "ckpt_format3")
+V010 = os.path.join(DATA, "ckpt_v0_1_0")
+FORMAT2 = os.path.join(DATA, "ckpt_format2")
+FORMAT3 = os.path.join(DATA, "ckpt_format3")
 
 
 def _full(optimizer, records) -> dict:
@@ -80,3 +80,45 @@ def test_checked_in_checkpoint_loads_bit_for_bit(ranks, world, fixture):
             for g, saved in zip(groups, GROUPS, strict=True):
                 assert all(g[k] == v for k, v in saved.items()), (g, saved)
             assert groups[0] == {k: v for k, v in ref_hyper["enc.weight"].items()}
+
+
+def _format3_meta(path):
+    """The checked-in format-3 checkpoint through dcp.load and load_checkpoint into targets
+    whose lr differs: per FQN, the type of ``[fqn]``, ``dict(meta)``, and whether assignment
+    raised TypeError."""
+    import torch.distributed.checkpoint as dcp
+
+    out = {}
+    for via in ("dcp.load", "load_checkpoint"):
+        records, opt = sharded_model()
+        for g in opt.param_groups:
+            g["lr"] = 123.0
+        target = prune_to_checkpoint(build_sharded_state_dict(opt, records, is_loading=True), path)
+        if via == "dcp.load":
+            dcp.load({"optimizer": target}, checkpoint_id=path)
+        else:
+            load_checkpoint({"optimizer": target}, path)
+        metas = {}
+        for fqn, meta in target["param_to_group_meta"].items():
+            with pytest.raises(TypeError):
+                meta["lr"] = 0.0
+            metas[fqn] = (type(meta).__name__, dict(meta), meta["lr"])
+        out[via] = metas
+    return out
+
+
+def test_checked_in_format3_meta_reads_as_mappings_after_a_load(ranks):
+    _, ref_hyper = train()  # the independent reference: one process, plain tensors
+    for got in ranks(2).run(_format3_meta, FORMAT3):
+        for via, metas in got.items():
+            assert set(metas) == set(ref_hyper), (via, set(metas))
+            for fqn, (kind, meta, lr) in metas.items():
+                assert kind == "GroupMeta" and lr == ref_hyper[fqn]["lr"] != 123.0, (via, fqn)
+                # the saved group keys (those of the torch that wrote it) hold the saved values
+                hyper = {k: v for k, v in meta.items() if k != "step"}
+                assert all(hyper[k] == ref_hyper[fqn][k] for k in hyper), (via, fqn, hyper)
+                assert {"lr", "betas", "eps", "weight_decay"} <= set(hyper), (via, fqn)
+                if fqn == "frozen":  # never stepped: no scalar state
+                    assert "step" not in meta, (via, meta)
+                else:
+                    assert meta["step"] == STEPS, (via, fqn, meta)

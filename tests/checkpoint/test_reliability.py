@@ -325,7 +325,7 @@ def _disagree(root, case):
     if case == "scalar" and rank == 1:  # rank 1 is one step ahead: DCP would keep one 'step'
         from mfsdp_optim.checkpoint._table import GroupMetaTable
 
-        leaves = dict(sd["param_to_group_meta"].items())  # the table is read-only: a new one
+        leaves = dict(sd["param_to_group_meta"].leaves())  # the table is read-only: a new one
         hyper, scalars = leaves["layers.0.bias"]
         leaves["layers.0.bias"] = (
             hyper,

@@ -16,7 +16,7 @@ import zlib
 import pytest
 import torch
 import torch.distributed as dist
-from test_optimizer import _model, _shard
+from _models import _model, _shard
 
 CLIP, STEPS, NAN_STEP = 0.3, 4, 1
 MUON = dict(lr=0.02, momentum=0.9, weight_decay=0.01)

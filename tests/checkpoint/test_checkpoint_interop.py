@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _checkpoint_helpers import Model, global_state, same
+from _checkpoint_helpers import DATA, Model, global_state, same
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
@@ -283,7 +283,7 @@ def test_inspect_cli(ranks, tmp_path, capsys):
         "bytes": 192,
     }
     # the checked-in format-2 checkpoint still lists (two groups; "frozen" without state)
-    fixture = os.path.join(os.path.dirname(__file__), "data", "ckpt_format2")
+    fixture = os.path.join(DATA, "ckpt_format2")
     code, out, _ = _inspect(capsys, fixture)
     assert code == 0, out
     assert "layout fsdp_dtensor (format 2): 4 params, 3 with state, 2 group(s)" in out, out

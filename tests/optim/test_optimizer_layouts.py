@@ -54,7 +54,7 @@ def _rank_train(specs, opt_name, mode, clip, norm_type, filter_empty):
 
     cls, kw = OPTIMIZERS[opt_name]
     params = [torch.nn.Parameter(build_grad(_param_spec(s))) for s in specs]
-    for p, s in zip(params, specs):
+    for p, s in zip(params, specs, strict=True):
         if s.dtype != "float32":
             p.grad_dtype = None  # low-precision grads of float32 params, as mixed precision has
     base = cls(params if params else [{"params": []}], **kw, **{mode: True})
@@ -62,12 +62,12 @@ def _rank_train(specs, opt_name, mode, clip, norm_type, filter_empty):
     opt = FullyShardedOptimizer(base, config)
     norms = []
     for step in range(STEPS):
-        for p, s in zip(params, specs):
+        for p, s in zip(params, specs, strict=True):
             p.grad = build_grad(_grad_spec(s, step), check=False)
         ok, norm, _ = opt.step()
         assert ok
         norms.append(norm)
-        for p, s in zip(params, specs):
+        for p, s in zip(params, specs, strict=True):
             assert p.grad.dtype == getattr(torch, s.dtype), "grad dtype restored"
         opt.zero_grad()
     return norms, [p.full_tensor() for p in params]
@@ -134,7 +134,7 @@ def _check(results, specs, reference):
     for rank, (norms, params) in enumerate(results):
         assert norms == results[0][0], f"rank {rank} disagrees on the norms"
         assert norms == pytest.approx(ref_norms, rel=2e-5, abs=1e-30), (norms, ref_norms)
-        for i, (spec, got) in enumerate(zip(specs, params)):
+        for i, (spec, got) in enumerate(zip(specs, params, strict=True)):
             want = ref_params[(i, _stripe_of(rank, spec))].detach()
             torch.testing.assert_close(
                 got,

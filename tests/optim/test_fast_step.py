@@ -83,14 +83,14 @@ def _make(cls, kw, params, extras):
 
 
 def _assert_same(tag, fast, slow, pa, pb):
-    for i, (a, b) in enumerate(zip(pa, pb)):
+    for i, (a, b) in enumerate(zip(pa, pb, strict=True)):
         assert torch.equal(a._local_tensor, b._local_tensor), f"{tag}: param {i}"
         if a.grad is not None:
             assert a.grad._local_tensor.dtype == b.grad._local_tensor.dtype
             assert torch.equal(a.grad._local_tensor, b.grad._local_tensor), f"{tag}: grad {i}"
     sa = [fast.state.get(a._local_tensor) for a in pa]
     sb = [slow.state.get(b._local_tensor) for b in pb]
-    for i, (x, y) in enumerate(zip(sa, sb)):
+    for i, (x, y) in enumerate(zip(sa, sb, strict=True)):
         assert (x is None) == (y is None), f"{tag}: state presence {i}"
         if x is None:
             continue
@@ -374,7 +374,9 @@ def _rank_invalidation():
     # the cache follows the new state objects (an update into the old ones would not show)
     assert all(
         t is a.state[x]["exp_avg"]._local_tensor
-        for x, t in zip(a.param_groups[0]["params"], a._engines[0].fast._groups[0].exp_avgs)
+        for x, t in zip(
+            a.param_groups[0]["params"], a._engines[0].fast._groups[0].exp_avgs, strict=True
+        )
     )
 
     # amsgrad switched off for a group: rebuilt without max_exp_avg_sq lists

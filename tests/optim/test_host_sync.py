@@ -79,8 +79,8 @@ def _rank_pair(opt_kw: dict, steps: int = 10):
     for step in range(steps):
         g_gen = torch.Generator().manual_seed(100 + step)
         fulls = [torch.randn(s, generator=g_gen) * 3 for s in SHAPES]
-        for ps, opt in zip(params, opts):
-            for p, g in zip(ps, fulls):
+        for ps, opt in zip(params, opts, strict=True):
+            for p, g in zip(ps, fulls, strict=True):
                 lg = local(g).clone() * opt.grad_scaler.scale_on("cpu")
                 if step in INF_STEPS and rank == world - 1 and lg.numel():
                     lg.view(-1)[0] = float("inf")
@@ -97,7 +97,7 @@ def _rank_pair(opt_kw: dict, steps: int = 10):
         assert got[0] == host[0] and got[2] == host[2], (step, got, host)
         assert got[1] == host[1] or (got[1] != got[1] and host[1] != host[1]), (step, got, host)
         out["ok"].append(host[0])
-        for a, b in zip(*params):
+        for a, b in zip(*params, strict=True):
             assert torch.equal(a._local_tensor, b._local_tensor), step
             sa, sb = opts[0].state.get(a, {}), opts[1].state.get(b, {})
             assert set(sa) == set(sb), step
@@ -251,7 +251,7 @@ def test_host_sync_true_returns_before_the_update_finishes(tmp_path, variant):
 
         for step in range(4):
             grads = [torch.randn(p.shape, device="cuda") for p in params]
-            for p, g in zip(params, grads):
+            for p, g in zip(params, grads, strict=True):
                 p.grad = _on_mesh(g, mesh)
             want = torch.cat([g.double().flatten() for g in grads]).norm().item()
             before = params[0]._local_tensor.clone()

@@ -195,6 +195,7 @@ def _rank_count_collectives(kind):
     from mfsdp_optim._infra import comm
 
     calls = []
+    raised = None
     real_gather, real_reduce = comm._all_gather_flat, dist.all_reduce
 
     def gather(out, inp, group):
@@ -207,27 +208,32 @@ def _rank_count_collectives(kind):
 
     comm._all_gather_flat, dist.all_reduce = gather, reduce
     try:
-        try:
-            if kind == "healthy":
-                stats.grad_stats(_good(), norm_type=2.0, count_zeros=True)
-            elif kind == "healthy_inf":
-                stats.grad_stats(_good(), norm_type=math.inf)
-            else:
-                stats.grad_stats(_good(), norm_type=0 if dist.get_rank() == BAD else 2.0)
-        except Exception:
-            pass
+        if kind == "healthy":
+            stats.grad_stats(_good(), norm_type=2.0, count_zeros=True)
+        elif kind == "healthy_inf":
+            stats.grad_stats(_good(), norm_type=math.inf)
+        else:
+            stats.grad_stats(_good(), norm_type=0 if dist.get_rank() == BAD else 2.0)
+    except (ValueError, stats.RankFailedError) as exc:  # the "fail" case: asserted by the test
+        raised = (type(exc).__name__, str(exc))
     finally:
         comm._all_gather_flat, dist.all_reduce = real_gather, real_reduce
-    return calls
+    return calls, raised
 
 
 def test_one_collective_when_healthy_two_when_a_rank_failed(ranks):
     pool = ranks(4)
     for kind in ("healthy", "healthy_inf"):
-        assert pool.run(_rank_count_collectives, kind) == [[("all_gather", 7)]] * 4, kind
-    assert (
-        pool.run(_rank_count_collectives, "fail") == [[("all_gather", 7), ("all_gather", 2048)]] * 4
-    )
+        assert pool.run(_rank_count_collectives, kind) == [([("all_gather", 7)], None)] * 4, kind
+    out = pool.run(_rank_count_collectives, "fail")
+    assert [calls for calls, _ in out] == [[("all_gather", 7), ("all_gather", 2048)]] * 4
+    # the failing rank raises its own error; every healthy one names it
+    name, msg = out[BAD][1]
+    assert name == "ValueError" and "norm_type must be > 0" in msg, out[BAD]
+    for rank in (0, 1, 3):
+        name, msg = out[rank][1]
+        assert name == "RankFailedError" and f"failed on rank {BAD} " in msg, (rank, msg)
+        assert "ValueError: norm_type must be > 0" in msg, (rank, msg)
 
 
 def _rank_device_only():

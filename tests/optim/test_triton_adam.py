@@ -171,13 +171,21 @@ def test_found_inf_gates_the_update(shapes):
     before = [_clone(xs) for xs in lists]
     divisor = torch.tensor(2.0, device="cuda")
     assert tri.step(group, *lists, divisor, found_inf=torch.ones((), device="cuda"))
-    for name, xs, was in zip(("param", "grad", "exp_avg", "exp_avg_sq", "step"), lists, before):
-        assert all(map(torch.equal, xs, was)), f"{name} changed by a skipped update"
+    for name, xs, was in zip(
+        ("param", "grad", "exp_avg", "exp_avg_sq", "step"), lists, before, strict=True
+    ):
+        assert all(torch.equal(a, b) for a, b in zip(xs, was, strict=True)), (
+            f"{name} changed by a skipped update"
+        )
     assert tri.step(group, *lists, divisor, found_inf=torch.zeros((), device="cuda"))
     assert tri.step(group, *twin, divisor)
-    for name, xs, ys in zip(("param", "grad", "exp_avg", "exp_avg_sq", "step"), lists, twin):
-        assert all(map(torch.equal, xs, ys)), f"{name}: found_inf=0 differs from no gate"
-    assert all(float(s) == float(b) + 1 for s, b in zip(lists[4], before[4]))
+    for name, xs, ys in zip(
+        ("param", "grad", "exp_avg", "exp_avg_sq", "step"), lists, twin, strict=True
+    ):
+        assert all(torch.equal(a, b) for a, b in zip(xs, ys, strict=True)), (
+            f"{name}: found_inf=0 differs from no gate"
+        )
+    assert all(float(s) == float(b) + 1 for s, b in zip(lists[4], before[4], strict=True))
 
 
 @cuda
@@ -214,7 +222,7 @@ def test_misaligned_and_many_tensors():
         rtol=1e-5,
         atol=1e-6,
     )
-    assert all(torch.equal(a, b) for a, b in zip(s, rs))
+    assert all(torch.equal(a, b) for a, b in zip(s, rs, strict=True))
 
 
 @cuda
@@ -285,7 +293,7 @@ def _clipped_step_both(mesh, shapes, step, params, ref, opt, ref_opt):
 
     g_gen = torch.Generator().manual_seed(10 + step)
     grads = [torch.randn(s, generator=g_gen).cuda() for s in shapes]
-    for p, q, g in zip(params, ref, grads):
+    for p, q, g in zip(params, ref, grads, strict=True):
         p.grad = DTensor.from_local(g.clone(), mesh, [Shard(0)], run_check=False)
         q.grad = g.clone()
     ok, norm, _ = opt.step()
@@ -300,11 +308,11 @@ def _wrapper_run(triton: bool | None):
     for step in range(4):
         grads = _clipped_step_both(mesh, SHAPES, step, params, ref, opt, ref_opt)
         if triton is not False and step > 0:  # the first step creates the state on the generic path
-            for p, g in zip(params, grads):
+            for p, g in zip(params, grads, strict=True):
                 assert torch.equal(p.grad._local_tensor, g), "grads stay unclipped"
         opt.zero_grad()
         ref_opt.zero_grad()
-    for p, q in zip(params, ref):
+    for p, q in zip(params, ref, strict=True):
         torch.testing.assert_close(p._local_tensor, q.detach(), rtol=1e-5, atol=1e-6)
         st, rst = opt.optimizer.state[p], ref_opt.state[q]  # stock state: DTensor values
         for k in rst:
@@ -376,8 +384,8 @@ def test_a_kernel_that_cannot_be_built_falls_back_to_torch(ranks):
     assert failed and runs["default launches"] == 0
     assert len(notes) == 1 and "triton_adam_step=False" in notes[0], notes
     assert not ref_notes
-    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
-    for mine, theirs in zip(state, ref_state):
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params, strict=True))
+    for mine, theirs in zip(state, ref_state, strict=True):
         assert mine.keys() == theirs.keys()
         assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
 
@@ -417,7 +425,7 @@ def test_option_is_inert_on_cpu(ranks):
     ((with_opt, launches),) = ranks(1).run(_rank_cpu, True)
     ((without, _),) = ranks(1).run(_rank_cpu, False)
     assert launches == 0
-    assert all(torch.equal(a, b) for a, b in zip(with_opt, without))
+    assert all(torch.equal(a, b) for a, b in zip(with_opt, without, strict=True))
 
 
 @cuda
@@ -501,7 +509,7 @@ def test_kept_table_3000_small_tensors(monkeypatch, realloc):
             rtol=5e-5,
             atol=1e-5,
         )
-    assert all(torch.equal(a, b) for a, b in zip(s, rs))
+    assert all(torch.equal(a, b) for a, b in zip(s, rs, strict=True))
 
 
 def _wrapper_reload_run(n_params: int):
@@ -516,7 +524,7 @@ def _wrapper_reload_run(n_params: int):
         _clipped_step_both(mesh, shapes, step, params, ref, opt, ref_opt)
         opt.zero_grad()
         ref_opt.zero_grad()
-    for p, q in zip(params, ref):
+    for p, q in zip(params, ref, strict=True):
         torch.testing.assert_close(p._local_tensor, q.detach(), rtol=1e-5, atol=1e-6)
     return opt._engines[0].triton.launches, opt._engines[0].triton.builds, opt.fast_steps
 

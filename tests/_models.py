@@ -1,0 +1,35 @@
+"""The small FSDP2 model the wrapper tests share (optim/ and checkpoint/ test modules).
+
+``_model`` builds an uneven MLP from an explicit seed, ``_batch`` a deterministic input per step,
+``_shard`` applies ``fully_shard`` per Linear and then to the root.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _model(seed: int, sizes=(6, 5, 3, 1)) -> torch.nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    layers = []
+    for i in range(len(sizes) - 1):
+        lin = torch.nn.Linear(sizes[i], sizes[i + 1])
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) * 0.5)
+            lin.bias.copy_(torch.randn(lin.bias.shape, generator=gen) * 0.5)
+        layers += [lin, torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def _batch(step: int, seed: int = 100, in_dim: int = 6) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed + step)
+    return torch.randn(8, in_dim, generator=gen)
+
+
+def _shard(model: torch.nn.Module, mesh) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for m in model:
+        if isinstance(m, torch.nn.Linear):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
