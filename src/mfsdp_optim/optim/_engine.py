@@ -39,6 +39,9 @@ class Engine:
         config: OptimizerConfig,
     ):
         self.optimizer = optimizer
+        # host_sync=False: create a first step's state up front, so the fast step (and its
+        # device-side skip) runs from the first step instead of a host read deciding it
+        self.state_first = not config.host_sync
         self.kind = kind_of(optimizer, config.update_kinds)
         aware, self.decoupled = detect_precision_aware(optimizer)
         if config.precision_aware is not None:
@@ -82,6 +85,8 @@ class Engine:
             plan = self.preparer.plan
             trust = plan is not None and self.fast.token is not None
             trust = trust and plan.fast_token is self.fast.token  # type: ignore[union-attr]
+            if self.state_first and len(opt.state) < len(self.table.slots):
+                self._create_first_state()
             token = self.fast.begin(opt, self.table, trust_locals=trust)
         self.fast_token = token
         buckets = self.preparer.collect(
@@ -96,6 +101,14 @@ class Engine:
         if inv_scale_on is not None:
             self.preparer.unscale(inv_scale_on, buckets)
         return buckets
+
+    def _create_first_state(self) -> None:
+        """The state the first step would create (zeros, ``step`` 0), for the params that have
+        none; a skipped first step then leaves this state where stock leaves none."""
+        from ..checkpoint._materialize import materialize_optimizer_state
+
+        materialize_optimizer_state(self.optimizer)
+        self.fast.invalidate()
 
     def skips_on_device(self) -> bool:
         """Whether this step's update can be skipped on the device: the fast Adam step runs and
