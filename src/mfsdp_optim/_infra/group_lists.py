@@ -59,7 +59,7 @@ def aligned_lists(optimizer: torch.optim.Optimizer) -> list[tuple[str, list[list
 
 def _matches(lists: list[list], groups: list[dict]) -> bool:
     return len(lists) == len(groups) and all(
-        len(lst) == len(g["params"]) for lst, g in zip(lists, groups)
+        len(lst) == len(g["params"]) for lst, g in zip(lists, groups, strict=True)
     )
 
 

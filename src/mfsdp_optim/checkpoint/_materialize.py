@@ -136,14 +136,14 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 origin[id(c)] = p
                 clones.append(c)
                 params.append(c)
-                for (_, lists), out in zip(beside, entries):
+                for (_, lists), out in zip(beside, entries, strict=True):
                     out.append(_scratch_entry(lists[gi][j], c))
             if params:
                 groups.append({**g, "params": params})
-                for out, lst in zip(scratch_beside, entries):
+                for out, lst in zip(scratch_beside, entries, strict=True):
                     out.append({"params": lst})
         scratch.param_groups = groups
-        for (attr, _), value in zip(beside, scratch_beside):
+        for (attr, _), value in zip(beside, scratch_beside, strict=True):
             setattr(scratch, attr, value)
         try:
             type(optimizer).step(scratch)  # the class's step: bypasses instance patches

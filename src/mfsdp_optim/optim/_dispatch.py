@@ -123,7 +123,7 @@ def base_step(
     ``torch.amp.GradScaler`` hands them to fused optimizers."""
     with local_shard_view(optimizer, slots) as pairs:
         bound: list[torch.Tensor] = []
-        for s, (_, local) in zip((s for s in slots if s.held), pairs):
+        for s, (_, local) in zip((s for s in slots if s.held), pairs, strict=True):
             wg = s.work_grad
             if wg is None:
                 continue

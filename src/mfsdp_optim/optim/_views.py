@@ -61,7 +61,7 @@ def local_shard_view(
             local = s.param._local_tensor
             shown[gi].append(local)
             pairs.append((s.param, local))
-            for lists, out in zip(beside, shown_beside):
+            for lists, out in zip(beside, shown_beside, strict=True):
                 out[gi].append(_local_value(lists[gi][j]))
     saved_beside = [[list(lst) for lst in lists] for lists in beside]
     state = optimizer.state
@@ -71,13 +71,13 @@ def local_shard_view(
         if entry:
             view[local] = {k: _local_value(v) for k, v in entry.items()}
     try:
-        for g, params in zip(groups, shown):
+        for g, params in zip(groups, shown, strict=True):
             g["params"][:] = params
         _refill(beside, shown_beside)
         optimizer.state = view
         yield pairs
     finally:
-        for g, params in zip(groups, saved):
+        for g, params in zip(groups, saved, strict=True):
             g["params"][:] = params
         _refill(beside, saved_beside)
         optimizer.state = state
@@ -85,8 +85,8 @@ def local_shard_view(
 
 
 def _refill(lists: list[list[list]], contents: list[list[list]]) -> None:
-    for per_group, new in zip(lists, contents):
-        for lst, entries in zip(per_group, new):
+    for per_group, new in zip(lists, contents, strict=True):
+        for lst, entries in zip(per_group, new, strict=True):
             lst[:] = entries
 
 

@@ -116,7 +116,7 @@ def _inf_slots(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
     not empty: a maximum has no identity)."""
     if not tensors:
         return torch.zeros((), dtype=_ACC), torch.zeros((), dtype=_ACC)
-    lows, highs = zip(*(torch.aminmax(t) for t in tensors))
+    lows, highs = zip(*(torch.aminmax(t) for t in tensors), strict=True)
     peaks = torch.maximum(torch.stack(highs), torch.stack(lows).neg()).to(_ACC)
     return peaks.max(), (~torch.isfinite(peaks)).sum(dtype=_ACC)
 
