@@ -16,7 +16,7 @@ around each call on CUDA, ``perf_counter`` on CPU):
   ``torch._foreach_norm`` over the local tensors;
 * on CUDA, diagnostics of the fused path: the kernel alone (launch plan built once), the fused
   bucket call (host + kernel), the table cache on/off, and host-side (CPU wall) costs of the
-  bucketing loop in ``stats.py``, of the fused call and of the whole ``grad_stats`` call.
+  bucketing loop in ``stats/_buckets.py``, of the fused call and of the whole ``grad_stats`` call.
 
 Usage: ``python benchmarks/bench_stats.py [--json out.json]``; on a CPU-only machine add
 ``--scale 0.01`` (shrinks tensor counts and rows) for a smoke run.

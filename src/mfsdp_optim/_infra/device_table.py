@@ -1,46 +1,12 @@
 """Persistent argument tables of the Triton kernels: built once, kept on the device, patched.
 
-Both kernels of the package (the stats kernel in ``_fused``, the Adam step in ``_triton_adam``)
-address every tensor of a list from the first one's pointer through an int64 table of element
-offsets, numels and cumulative block counts. Building that table reads every tensor's address
-on the host (about 0.1-0.3 us of Python per tensor and per list); for thousands of small
-tensors that costs more than the kernel. So the tables are built once per (list identity,
-layout) and kept on the device; at each step one check per list whose storage can move says
-whether anything moved, and only the slice that changed is uploaded again (a fresh pinned
-staging buffer and a non-blocking copy on the current stream: the copy is ordered after every
-earlier launch that read the old slice, and no host sync is needed).
-
-The check lives here, in ``same_addresses``: the tensors' ``data_ptr()`` against the addresses
-the table was built from. On CUDA builds of torch it is ``torch._C.
-_tensors_data_ptrs_at_indices_equal`` (the C++ loop cudagraph trees use for the same purpose);
-elsewhere a Python comparison of the address list. ``benchmarks/bench_triton_adam.py
---check-cost`` measures both per tensor.
-
-Which lists are checked at every step, and why nothing can go stale unseen:
-
-* grads (both kernels): FSDP2 may re-allocate them at every backward, and a grad set to None
-  and re-created may land anywhere. Their addresses are checked at every call; a changed one
-  rebuilds that table's grad offsets. A re-created grad at the same address needs no change
-  (offsets are derived from addresses only; layout checks below).
-* the stats table holds nothing else: its numels are compared at every call too, so all of its
-  content is re-verified against the tensors the caller holds during the call.
-* params, exp_avg, exp_avg_sq and step counters (the Adam table): not checked per step (see
-  ``CHECK_ALL_ENV``). The table lives on the fast step's per-group cache
-  (``_fast_step._GroupCache``) and dies with it, and that cache holds the very tensor objects
-  the table describes plus, in the table, their storages. Every path that gives the step other
-  tensors replaces that cache: ``load_state_dict`` and ``sharded_state_dict`` call
-  ``invalidate_caches()``; the base optimizer's own ``load_state_dict`` installs a new state
-  mapping, and state created for new params changes its size (``_cache_ok`` compares both);
-  params re-bound by FSDP2 (a new ``_local_tensor``, ``swap_tensors``, ``model.to()``) fail the
-  local-tensor identity check (``locals_ok`` or the prepare plan's); changed param groups bump
-  the slot table's version; ``invalidate_caches()`` drops it. A value replaced by hand inside
-  ``optimizer.state[p]`` is not seen (as before: call ``invalidate_caches()``), but the old
-  tensor is still held, so the kernel updates live memory, never freed memory; the same holds
-  for a storage swapped under a held tensor (``t.set_()``, ``t.data = ...``): the table keeps
-  the old storage alive. The one path neither seen nor covered is a storage resized in place
-  (``t.resize_()`` to a larger size, ``t.untyped_storage().resize_()``) on a param's local
-  shard or a state tensor; neither torch nor FSDP2 does that to them; set
-  ``MFSDP_OPTIM_CHECK_ALL_ADDRESSES=1`` to check every list at every step.
+Map: ``DeviceTable`` an int64 host table (element offsets, numels, cumulative block counts)
+mirrored on the device, re-uploaded slice by slice on the current stream; ``addresses`` and
+``same_addresses`` the per-step check that a list's tensors still sit where the table says (a
+C++ loop on CUDA builds of torch); ``CHECK_ALL_ENV`` / ``check_all_lists`` check every list at
+every step. Used by ``stats._fused`` and ``optim._triton_adam``. Precondition: whoever holds a
+table holds the tensors it describes. Why nothing goes stale unseen: docs/concepts.md, "Kernel
+argument tables".
 """
 
 from __future__ import annotations

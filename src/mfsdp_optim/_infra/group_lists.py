@@ -1,16 +1,10 @@
 """Lists that some optimizers keep beside ``param_groups``, position by position with its params.
 
-apex's ``FusedAdam`` keeps ``param_groups_master``: one dict per param group whose ``params``
-list holds, at position ``j``, the fp32 master copy of ``group["params"][j]`` (``None`` without
-master weights). Its ``step()`` zips the two lists and hands both to its CUDA kernels, which read
-raw device pointers. So whoever shows such an optimizer other params than its own (the
-local-shard view of ``step()``, the checkpoint layer's scratch step) must show it a master list
-that matches, position by position, and holds plain tensors: a DTensor master's pointer is not its
-shard's.
-
-An aligned list is one that has exactly one entry per param of its group. The optimizer's own
-lists are never replaced: they are refilled in place for the duration and then restored, as the
-``params`` lists are.
+Map: ``ALIGNED_ATTRS`` the attributes looked for (apex FusedAdam's ``param_groups_master``);
+``aligned_lists`` those an optimizer holds, checked to have one entry per param of each group
+(``AlignmentError`` otherwise). Whoever shows an optimizer other params (``optim._views``, the
+checkpoint layer's scratch step) refills these lists in place and restores them; why:
+docs/concepts.md, "Lists kept beside the param groups".
 """
 
 from __future__ import annotations
@@ -59,7 +53,7 @@ def aligned_lists(optimizer: torch.optim.Optimizer) -> list[tuple[str, list[list
 
 def _matches(lists: list[list], groups: list[dict]) -> bool:
     return len(lists) == len(groups) and all(
-        len(lst) == len(g["params"]) for lst, g in zip(lists, groups)
+        len(lst) == len(g["params"]) for lst, g in zip(lists, groups, strict=True)
     )
 
 

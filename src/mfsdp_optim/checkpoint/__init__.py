@@ -1,39 +1,13 @@
 """mfsdp_optim.checkpoint: fsdp_dtensor optimizer state dicts that reshard, interoperate with
 torch's ``get_optimizer_state_dict`` layout and never half-load.
 
-Save:
-
-```python
-records = [ParamRecord(fqn, param, opt_param), ...]          # one per trainable param
-sd = build_sharded_state_dict(base_optimizer, records)        # one collective
-dcp.save({"optimizer": sd}, checkpoint_id=path)
-```
-
-Load (any world size or mesh layout):
-
-```python
-sd = build_sharded_state_dict(base_optimizer, records, is_loading=True)
-sd = prune_to_checkpoint(sd, path)           # only if some params had no state when saved
-dcp.load({"optimizer": sd}, checkpoint_id=path)
-load_sharded_state_dict(base_optimizer, records, sd)          # validates, then restores
-```
-
-A checkpoint stock torch wrote (``get_optimizer_state_dict`` + ``dcp.save``):
-
-```python
-osd = to_torch_state_dict(build_sharded_state_dict(opt, records, is_loading=True))
-dcp.load({"optimizer": osd}, checkpoint_id=path)
-load_sharded_state_dict(opt, records, from_torch_state_dict(osd))
-```
-
-``FullyShardedOptimizer.sharded_state_dict`` / ``load_state_dict`` call these.
-
-Crash-safe saving and refusing damaged or untrusted checkpoints (see docs/reliability.md):
-
-```python
-save_checkpoint({"optimizer": sd}, "ckpt/step_100")   # staged, published when all finished
-load_checkpoint({"optimizer": target}, "ckpt/step_100")  # verified before a byte is loaded
-```
+Map: ``save_checkpoint`` / ``load_checkpoint`` crash-safe, verified whole checkpoints;
+``build_sharded_state_dict`` one rank's state dict (a ``ParamRecord`` per param) for
+``dcp.save``/``dcp.load``, ``load_sharded_state_dict`` validates it and only then restores;
+``prune_to_checkpoint`` fits a load target to an older format; ``to_torch_state_dict`` /
+``from_torch_state_dict`` torch's layout; ``SafeFileSystemReader``/``SafeLoadPlanner`` reads
+that run no code; ``inspect_checkpoint`` and the CLI. Recipes: docs/checkpoint.md and
+docs/concepts.md, "The checkpoint layer's calls".
 """
 
 from .._infra.params import ParamRecord

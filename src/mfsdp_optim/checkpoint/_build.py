@@ -1,40 +1,10 @@
-"""``build_sharded_state_dict``: the fsdp_dtensor optimizer state dict of one rank.
+"""``build_sharded_state_dict``: the fsdp_dtensor optimizer state dict of one rank (format 3).
 
-Layout (``fqn`` from the model's ``named_parameters()``; format 3, the current layout)::
-
-    {"state": {"layers.0.weight": {"exp_avg": DTensor, "exp_avg_sq": DTensor},
-               ...},
-     "param_to_group_meta": GroupMetaTable}     # ONE object for every param: one DCP item
-
-    table["layers.0.weight"] == {"betas": (0.9, 0.999), "eps": 1e-08, "lr": 0.001, ...,
-                                 "step": 12.0}             # a read-only mapping (GroupMeta)
-    table.leaf("layers.0.weight") == (
-        (("betas", (0.9, 0.999)), ("eps", 1e-08), ("lr", 0.001), ...),   # hyperparameters
-        (("step", 12.0, "float32"),))                                    # scalar state
-
-``state[fqn]`` holds the parameter-shaped state only: DTensors in the parameter's layout, sharing
-storage with the live state; every rank with a shard (an empty one included) emits its
-``state`` tensors. ``param_to_group_meta`` is a read-only ``GroupMetaTable`` (see ``_table``):
-``table[fqn]`` is the param's read-only ``{hyperparameter: value}`` mapping, and
-``table.leaf(fqn)`` the stored ``(hyperparameters, scalars)`` leaf: the param group's
-hyperparameters (every key but ``params``) as sorted ``(name, plain value)`` pairs and the
-param's scalar state (``step``) as sorted ``(key, value, dtype)`` triples, ``dtype`` the name of
-the 0-d tensor's dtype (``"float32"``) or ``None`` for a plain Python value; ``()`` for a param
-no rank has state for. The table is not a Mapping, so DCP stores it whole: the flat keys are
-``optimizer.state.<fqn>.<key>`` (one tensor item each) and ``optimizer.param_to_group_meta``
-(ONE item for all params), with the ``"optimizer"`` prefix the caller saves it under. On disk it
-is a tagged tuple of builtins that unpickles without this package; the returned dict (an
-``OptimizerStateDict``) turns it back into a table when ``dcp.load`` stores it.
-
-DCP keeps one copy of a non-tensor item, so the table is IDENTICAL on every rank and covers the
-whole keyspace: every FQN that any rank's base optimizer holds. When the ranks' digests agree
-(the digest covers the table's content) every rank holds the same FQNs and builds it locally;
-otherwise it is built from the merged keyspace of the detailed exchange.
-
-Earlier layouts, which every loader still reads: format 2 (after 0.1.0) had one ``(hyperparameters,
-scalars)`` tuple per FQN as a ``param_to_group_meta`` dict (one item per param, emitted by the
-ranks holding it); format 1 (0.1.0) a dict of hyperparameters per FQN (one item each) and
-``step`` inside ``state[fqn]``.
+Map: ``build_sharded_state_dict`` -> ``{"state": {fqn: {key: DTensor}}, "param_to_group_meta":
+GroupMetaTable}`` (the table: ``_table``; ONE DCP item, identical on every rank, covering every
+FQN any rank's optimizer holds); the keyspace agreed through ``_keyspace``; ``KeyspaceError``
+when ranks disagree. Precondition: every rank of ``group`` calls it. The layout, and formats 1
+and 2 that every loader still reads: docs/checkpoint.md, "The layout".
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """Conversions between the fsdp_dtensor layout and torch's ``get_optimizer_state_dict`` layout.
 
-torch (unflattened, ``StateDictOptions(flatten_optimizer_state_dict=False)``)::
-
-    {"state": {fqn: {"exp_avg": DTensor, "step": tensor(3.)}},
-     "param_groups": [{"lr": 0.01, "betas": (0.9, 0.999), ..., "params": [fqn, fqn, ...]}]}
-
-fsdp_dtensor (format 3; see ``_build``)::
-
-    {"state": {fqn: {"exp_avg": DTensor}},
-     "param_to_group_meta": GroupMetaTable}   # table.leaf(fqn) == ((("betas", (0.9, 0.999)),
-                                              #                      ("lr", 0.01), ...),
-                                              #                     (("step", 3.0, "float32"),))
-
-Parameter-shaped state tensors are shared, never copied; scalar state (``step``) moves between a
-0-d tensor in torch's ``state[fqn]`` and a plain number in the ``param_to_group_meta`` leaf (a new
-0-d tensor of the recorded dtype on the way back, so ``dcp.load`` can fill it). The inputs are
-never mutated. ``to_torch_state_dict`` also accepts the tagged tuple ``dcp.load`` leaves in place of
-the table, format 2 (a dict of those leaves per FQN) and 0.1.0's format 1 (a hyperparameter dict
-per FQN, ``step`` inside ``state[fqn]``).
+Map: ``to_torch_state_dict`` (fsdp_dtensor formats 1-3, or the tagged tuple ``dcp.load`` leaves
+in place of the table -> torch's unflattened ``{"state", "param_groups"}``) and
+``from_torch_state_dict`` (back). Parameter-shaped tensors are shared, never copied; scalar state
+(``step``) moves between a 0-d tensor in ``state[fqn]`` and a number in the table's leaf. The
+inputs are never mutated. Both layouts side by side: docs/concepts.md, "Inside the checkpoint
+layer".
 """
 
 from __future__ import annotations

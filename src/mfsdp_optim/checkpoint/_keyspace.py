@@ -1,34 +1,12 @@
 """The rank-consistent keyspace: derived locally on every rank, agreed with a fixed-size digest.
 
-Each rank describes what its own base optimizer holds and what the state dict it is about to emit
-depends on:
-
-* per FQN of ``records`` (every param this rank holds a shard of, an empty one included): the
-  *tensor signature*, the sorted ``(state key, dtype)`` of its parameter-shaped state. A rank
-  whose base optimizer does not hold the param (the empty-shard filter dropped it) derives it
-  from the base optimizer's class: one zero-element scratch step per dtype with the class's
-  ``defaults``, see ``derive_signature()``. The keys are a property of the optimizer, not of
-  the shard. (A param held without state has the signature ``()``.)
-* the ``param_to_group_meta`` table (hyperparameters + scalar state per FQN, see ``_build``)
-  it will emit, whole: which FQNs it covers, in which order, with which values. DCP keeps ONE
-  copy of that item, so equal digests must imply identical tables.
-
-The common case needs no exchange of keys at all: every rank hashes both into a 2 x 64-bit
-digest and ONE ``all_reduce(MAX)`` of ``[d, -d]`` (32 bytes per rank, whatever the world size)
-tells every rank whether all digests are equal. Only when they differ (ranks hold different
-FQNs, as in pipeline or expert parallelism; a filtered rank whose derived keys differ from the
-owners'; a real disagreement) does every rank fall back to the detailed exchange: one
-``all_gather_object`` of each rank's compact description, merged the same way on every rank, so
-every rank reaches the same keyspace and the same errors and can name what differs. The
-decision to fall back is the all-reduce's result, identical on every rank, so every rank issues
-the same collectives in the same order. Nothing is raised before a collective.
-
-The detailed description (the fallback's payload)::
-
-    {"slots":  [((key, kind, dtype, value), ...), ...],   # distinct state signatures
-     "metas":  [((hyperparameter, value), ...), ...],     # distinct group hyperparameters
-     "fqns":   {fqn: (slot_index or -1, meta_index)},     # params this rank's optimizer holds
-     "errors": [str, ...]}                                # what this rank could not describe
+Map: ``describe`` this rank's ``LocalState`` (per FQN the sorted ``(state key, dtype)``
+signature, ``derive_signature`` for a param its optimizer does not hold, plus the table it will
+emit); ``digest`` + ``agree`` (``_infra.agreement``): ONE 32-byte ``all_reduce``, all match?
+``local_keyspace`` the common case, ``merge`` the detailed exchange's fallback (one
+``all_gather_object`` of compact descriptions). The decision to fall back is the all-reduce's
+result, so every rank issues the same collectives; nothing is raised before one. The protocol
+and the description's fields: docs/concepts.md, "Inside the checkpoint layer".
 """
 
 from __future__ import annotations

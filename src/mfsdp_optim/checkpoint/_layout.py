@@ -1,17 +1,11 @@
 """How one optimizer state value of one parameter appears in the fsdp_dtensor layout.
 
-A state value is one of four kinds (the letter is what the keyspace description carries):
-
-``"t"``  a tensor shaped like the parameter: a DTensor with the parameter's mesh, placements and
-         global shape, or a plain tensor with the local shard's shape (an optimizer fed
-         ``param._local_tensor`` aliases), which is wrapped with ``DTensor.from_local`` (no copy).
-``"s"``  a 0-d plain tensor scalar such as torch Adam's ``step``; stays a plain tensor, so DCP
-         deduplicates it across ranks and every rank must hold the same value.
-``"n"``  a plain Python value (a number ``step`` of an older optimizer, ``None``, a string).
-
-Anything else (a plain tensor that is neither the local shard's shape nor 0-d, or a DTensor with
-another global shape, e.g. factored second moments) cannot be resharded from the parameter's
-layout and is refused with a message naming the parameter and key.
+Map: ``classify`` a value as a ``Slot`` of kind ``"t"`` (parameter-shaped: a DTensor in the
+param's layout, or a local-shard-shaped tensor that ``wrap`` turns into one, no copy), ``"s"``
+(a 0-d plain tensor such as Adam's ``step``) or ``"n"`` (a plain Python value); anything else
+raises ``StateLayoutError`` naming the param and key. ``placeholder`` the empty-local stand-in
+a rank without state emits. The kinds, and why others are refused: docs/concepts.md, "Inside
+the checkpoint layer".
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """``load_sharded_state_dict``: validate everything, agree on validity, only then mutate.
 
-By the time this runs after ``dcp.load`` into ``build_sharded_state_dict(..., is_loading=True)``,
-DCP has written the tensors into the live state in place (the DTensors share storage with it), so
-the tensor work left is a no-op; what remains is restoring hyperparameters (group-level ``step``
-included), scalar state (per-param ``step``) and re-binding FQN-keyed state. A state dict from
-elsewhere (``from_torch_state_dict`` of a separately loaded dict) is copied into the live state.
-
-A param that has ``param_to_group_meta`` but neither ``state`` tensors nor scalars had no state
-when it was saved (never stepped): its live state is dropped, so the optimizer is exactly as the
-saved one was.
-
-Every layout loads: format 3 (``param_to_group_meta`` ONE ``GroupMetaTable`` for all params, or
-the tagged tuple ``dcp.load`` leaves in its place, see ``_table``), format 2 (a dict of one
-``(hyperparameters, scalars)`` tuple per FQN) and 0.1.0's format 1 (a dict of hyperparameters per
-FQN, ``step`` inside ``state[fqn]``); ``state[fqn]`` holds the tensors in formats 2 and 3.
-``as_format1()`` turns the first two into the third, which the checks and the restore work on.
-A format-3 table covers the whole keyspace (every rank's params), so each rank reads only the
-entries of its own records from it; an entry no rank's records name is not reported.
+Map: ``load_sharded_state_dict`` (and ``load_sharded_state_dicts`` for several optimizers)
+restores hyperparameters, scalar state and FQN-keyed state after ``dcp.load``, or copies a
+state dict from elsewhere in; ``as_format2`` / ``as_format1`` bring formats 3 and 2 to the
+format the checks work on; ``StateDictMismatchError`` what a refused load raises. Every rank
+of the group calls it; one 8-byte agreement (``_infra.agreement``) precedes any write. What
+happens to params saved without state: docs/concepts.md, "Inside the checkpoint layer".
 """
 
 from __future__ import annotations

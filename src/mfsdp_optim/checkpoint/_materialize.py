@@ -1,21 +1,12 @@
 """Materialise optimizer state for DCP to load into, without a real step.
 
-Stock torch (``_init_optim_state``) runs the live optimizer's ``step()`` with ``lr=0`` and zero
-grads; decoupled weight decay (AdamW), step counters and ``maximize`` still move things. Here the
-live optimizer never steps. A shallow scratch copy of it, with its own empty state and param groups
-whose params are zero clones (with zero grads) of the params that lack state, runs the class's own
-``step`` once; its state tensors are then handed to the live optimizer and its ``step`` entries
-reset to 0. The scratch clones cost one param-sized buffer per state-less param for the duration.
-Afterwards the live params' version counters and the hyperparameters are checked unchanged.
-
-A DTensor param is cloned as its local shard, as the wrapper's ``step()`` shows it (no DTensor
-dispatch, and optimizers whose kernels read raw pointers, such as apex's FusedAdam, work); the
-state it gets is put back as stock torch holds it (``as_stock_value``: parameter-shaped
-tensors as DTensors in the param's layout). Lists the optimizer keeps beside its groups (apex's
-``param_groups_master``, ``_group_lists``) get scratch entries aligned with the clones.
-
-Optimizers whose ``step`` needs a closure (LBFGS) or sparse grads (SparseAdam) cannot be stepped
-this way: pass ``init_state_fn`` to ``build_sharded_state_dict``.
+Map: ``materialize_optimizer_state`` gives every param without state its state by running the
+class's own ``step`` once on ``scratch_copy``, a shallow copy stepping zero clones of those
+params (local shards of DTensors, aligned entries in ``_infra.group_lists``), then hands the
+state to the live optimizer with ``step`` reset to 0; the live params and hyperparameters are
+checked unchanged. Not for optimizers needing a closure or sparse grads (LBFGS, SparseAdam):
+pass ``init_state_fn``. Why not torch's lr=0 step: docs/concepts.md, "Inside the checkpoint
+layer".
 """
 
 from __future__ import annotations
@@ -136,14 +127,14 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 origin[id(c)] = p
                 clones.append(c)
                 params.append(c)
-                for (_, lists), out in zip(beside, entries):
+                for (_, lists), out in zip(beside, entries, strict=True):
                     out.append(_scratch_entry(lists[gi][j], c))
             if params:
                 groups.append({**g, "params": params})
-                for out, lst in zip(scratch_beside, entries):
+                for out, lst in zip(scratch_beside, entries, strict=True):
                     out.append({"params": lst})
         scratch.param_groups = groups
-        for (attr, _), value in zip(beside, scratch_beside):
+        for (attr, _), value in zip(beside, scratch_beside, strict=True):
             setattr(scratch, attr, value)
         try:
             type(optimizer).step(scratch)  # the class's step: bypasses instance patches

@@ -1,29 +1,12 @@
 """Reading DCP checkpoints without running code from them.
 
-What torch's own ``FileSystemReader`` / ``DefaultLoadPlanner`` unpickle (torch 2.6 - 2.13):
-
-* ``.metadata``: ``pickle.load`` of the whole file, **unrestricted**. A crafted ``.metadata`` runs
-  arbitrary code the moment any rank calls ``dcp.load`` (or ``FileSystemReader.read_metadata``).
-* non-tensor items (``BytesStorageMetadata``: hyperparameters, ``step`` numbers, strings):
-  ``DefaultLoadPlanner.load_bytes`` calls ``torch.load(..., weights_only=False)``, **unrestricted**.
-* tensor items: ``torch.load(..., weights_only=True)``, restricted by torch.
-
-This module closes the first two for this package's own reads and for users who opt in:
-
-* ``safe_read_metadata()`` unpickles ``.metadata`` with an allow-list: the dataclasses of
-  ``torch.distributed.checkpoint.metadata``, ``filesystem._StorageInfo``, ``torch.Size``, torch
-  dtypes and layouts, ``pathlib`` paths, ``collections.OrderedDict``. Anything else
-  (``os.system``, ``builtins.eval``, a class of some other package) raises
-  ``UnsafeCheckpointError`` before it is called.
-* ``SafeFileSystemReader`` is a ``FileSystemReader`` whose ``read_metadata`` is the above.
-* ``SafeLoadPlanner`` is a ``DefaultLoadPlanner`` whose ``load_bytes`` uses
-  ``torch.load(weights_only=True)``: plain numbers, strings, tuples, lists, dicts and tensors load;
-  arbitrary objects are refused. The one callable it adds to torch's allow-list is
-  ``builtins.tuple``, which the format-3 ``param_to_group_meta`` table pickles through (its
-  ``__reduce__`` is ``tuple(<tagged tuple of builtins>)``; see ``_table``).
-
-Pass both to ``dcp.load(state, storage_reader=SafeFileSystemReader(path),
-planner=SafeLoadPlanner())``; ``mfsdp_optim.checkpoint.load_checkpoint()`` does.
+Map: ``safe_read_metadata`` unpickles ``.metadata`` through an allow-list (DCP's metadata
+classes, ``torch.Size``, dtypes, paths, ``OrderedDict``); ``SafeFileSystemReader`` a
+``FileSystemReader`` reading metadata that way; ``SafeLoadPlanner`` a ``DefaultLoadPlanner``
+loading non-tensor items with ``weights_only=True`` (plus ``builtins.tuple``, which the format-3
+table pickles through); ``UnsafeCheckpointError`` / ``raise_unsafe`` what a refusal raises.
+Use: ``dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())``,
+as ``load_checkpoint`` does. What torch unpickles unrestricted: docs/reliability.md, "Security".
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """``param_to_group_meta`` of format 3: ONE read-only table, so ONE DCP item for every param.
 
-In memory it is a ``GroupMetaTable``: ``table[fqn]`` is a read-only ``GroupMeta`` mapping
-``{hyperparameter: value}`` (every param-group key but ``params``, plus scalar state such as
-``step``), as Megatron's fsdp_dtensor per-FQN dict reads (``meta["lr"]``, ``meta.items()``,
-``dict(meta)``). ``leaf(fqn)`` / ``leaves()`` give the stored ``(hyperparameters, scalars)``
-tuples the loaders work on. The table is deliberately NOT a ``collections.abc.Mapping``: DCP
-stores every non-Mapping object whole, so it is one ``BytesStorageMetadata`` item.
-
-Inside, every distinct hyperparameter tuple and every distinct scalar tuple is held once and an
-index maps each FQN to ``(hyper index, scalar index)``. On disk it pickles as a tagged tuple of
-builtins only, ``("mfsdp_optim.param_to_group_meta", 3, hypers, scalars, {fqn: (h, s)})``, so a
-reader without this package can read it. ``dcp.load`` stores that tuple in place of the table
-with ``container[key] = value``; ``OptimizerStateDict``, the dict this package's state dicts
-are, turns it back into a table there, so ``sd["param_to_group_meta"][fqn]`` works after a load.
+Map: ``GroupMetaTable`` (``table[fqn]`` a read-only ``GroupMeta`` mapping of hyperparameters and
+scalar state; ``leaf``/``leaves`` the stored ``(hyperparameters, scalars)`` tuples; each distinct
+tuple held once); ``TAG``/``VERSION`` its on-disk tagged tuple of builtins; ``is_table`` /
+``as_table`` read either form; ``OptimizerStateDict`` turns the tuple ``dcp.load`` stores back
+into a table. The table is deliberately not a ``Mapping``, so DCP stores it whole. The layout:
+docs/checkpoint.md, "The layout".
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Which base step runs, and running it: the fast Adam step or the base optimizer's own.
 
-``route_of`` is the one eligibility check. It decides from the base optimizer alone (type,
-group flags, hooks, slots that ``torch.amp.GradScaler`` uses):
-
-* ``fold_clip``: torch's fused ``Adam``/``AdamW``/``SGD``/``Adagrad`` (exact types: a subclass
-  may override ``step()``) take the clip as their ``grad_scale`` divisor, so the clip costs one
-  grad store inside the update instead of a pass of its own;
-* ``fast``: ``Adam``/``AdamW`` groups run through ``_fast_step`` (no ``step()`` call at all),
-  which needs the base optimizer to have no step hooks and no instance-level ``step`` (an lr
-  scheduler attached to it), since those would be skipped.
-
-``base_step`` runs the base optimizer's own ``step()`` on local shards (``_views``), with the
-grads bound to them for the call, and with torch's global optimizer hooks held back: the
-wrapper's ``step()`` fires those once. The base optimizer's own hooks fire as usual.
+Map: ``route_of`` the one eligibility check, from the base optimizer alone: a ``Route`` of
+``fold_clip`` (torch's fused Adam/AdamW/SGD/Adagrad take the clip as ``grad_scale``) and
+``fast`` (Adam/AdamW groups through ``_fast_step``, no ``step()`` call); ``DISABLE_*_ENV`` turn
+either off. ``base_step`` the base optimizer's own ``step()`` on local shards (``_views``),
+torch's global hooks held back (the wrapper fires them once). ``detect_precision_aware``.
+Why each route needs what it checks: docs/concepts.md, "Which base step runs".
 """
 
 from __future__ import annotations
@@ -123,7 +116,7 @@ def base_step(
     ``torch.amp.GradScaler`` hands them to fused optimizers."""
     with local_shard_view(optimizer, slots) as pairs:
         bound: list[torch.Tensor] = []
-        for s, (_, local) in zip((s for s in slots if s.held), pairs):
+        for s, (_, local) in zip((s for s in slots if s.held), pairs, strict=True):
             wg = s.work_grad
             if wg is None:
                 continue

@@ -1,22 +1,11 @@
 """Loss scalers for ``mfsdp_optim.FullyShardedOptimizer``.
 
-A scaler owns one number, the loss scale, and how it evolves. It does not look at gradients:
-the wrapper unscales them, and the stats layer decides ``found_inf`` with its one collective over
-the grad-stats group, so every rank of that group hands the same ``found_inf`` to
-``GradScaler.update()`` and every rank's scale evolves identically (unlike
-``torch.amp.GradScaler``, which agrees on ``found_inf`` only over the first grad's mesh).
-
-The scale lives in a 0-d float32 tensor; ``GradScaler.scale_on()`` /
-``GradScaler.inv_scale_on()``
-hand out cached copies on the grads' device so unscaling never synchronises with the host.
-
-``update(found_inf)`` takes a Python bool, or a 0-d bool tensor (``OptimizerConfig(host_sync=
-False)``): then the scaler keeps its state as device tensors and evolves it there, with the same
-float64 arithmetic as the host rule, so both give the same scales bit for bit; the host values
-(``get_scale()``, ``state_dict()``) are read back only when asked for.
-
-``state_dict()`` holds plain Python numbers (no tensors), so it pickles, survives ``torch.save`` and
-``torch.distributed.checkpoint`` as non-tensor data, and is identical on every rank.
+Map: ``GradScaler`` the base (one loss scale in a 0-d float32 tensor; ``scale_on`` /
+``inv_scale_on`` cached device copies; ``update(found_inf)`` from a bool or a 0-d bool tensor;
+``state_dict`` plain numbers); ``ConstantGradScaler`` and ``DynamicGradScaler`` the two rules.
+A scaler never looks at grads: ``found_inf`` comes from the stats layer's one collective, so
+every rank's scale evolves alike. Why, and the device-side update: docs/concepts.md, "Loss
+scalers".
 """
 
 from __future__ import annotations

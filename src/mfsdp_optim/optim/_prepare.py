@@ -99,7 +99,7 @@ class PreparePlan:
             and all(map(_is, [p._local_tensor for p in params], self.locals))
         ):
             return None
-        for slot, g in zip(slots, grads):
+        for slot, g in zip(slots, grads, strict=True):
             slot.work_grad = g  # type: ignore[assignment]  # a DTensor param's grad
         if fast_token is not None:
             if fast_token is not self.fast_token:  # the fast cache was rebuilt

@@ -114,7 +114,7 @@ class SlotTable:
         lists = self._lists
         if len(groups) != len(lists):
             return False
-        for g, (lst, n) in zip(groups, lists):
+        for g, (lst, n) in zip(groups, lists, strict=True):
             params = g["params"]
             if params is not lst or len(params) != n:
                 return False

@@ -1,23 +1,12 @@
 """The base optimizer's step on local shards, with its param lists and state left stock.
 
-A base optimizer stepping DTensor params pays DTensor dispatch on every op it issues. For the
-duration of one ``step()`` call, ``local_shard_view`` therefore shows it local tensors:
-
-* each group's ``params`` list (the same list object, refilled in place, since optimizers such
-  as LBFGS keep a reference to it) holds ``p._local_tensor`` of the params it steps on this
-  rank;
-* ``optimizer.state`` is a mapping keyed by those local tensors whose DTensor values are replaced
-  by their local tensors (zero copy: in-place updates reach the DTensor state);
-* lists kept beside the groups, position by position with their params (apex FusedAdam's
-  ``param_groups_master``, see ``_group_lists``), are refilled in place the same way: the entries
-  of the params shown, DTensor masters as their local tensors.
-
-When the step returns (or raises), the lists hold the user's DTensors again, ``optimizer.state``
-is the original mapping object, and every state value the step created or replaced is put back
-as stock torch would hold it: a tensor of the local shard's shape becomes a DTensor with the
-param's mesh, placements, global shape and stride (``DTensor.from_local``, no copy); scalars
-such as ``step`` stay plain. For a 0-d param, whose local shard is 0-d like a scalar, the keys
-in ``SCALAR_STATE_KEYS`` stay plain and every other 0-d entry becomes a DTensor.
+Map: ``local_shard_view(optimizer, slots)``, a context manager: for one ``step()`` the group
+``params`` lists (and lists beside them, ``_infra.group_lists``) are refilled in place with the
+held slots' local tensors and ``optimizer.state`` is a view keyed by them (zero copy); on exit
+the lists and the state mapping are put back and every value the step created or replaced is
+made stock (``_infra.placement.as_stock_value``: parameter-shaped tensors as DTensors, no copy).
+The rules: docs/concepts.md, "The base optimizer stays stock" and "Lists kept beside the param
+groups".
 """
 
 from __future__ import annotations
@@ -61,7 +50,7 @@ def local_shard_view(
             local = s.param._local_tensor
             shown[gi].append(local)
             pairs.append((s.param, local))
-            for lists, out in zip(beside, shown_beside):
+            for lists, out in zip(beside, shown_beside, strict=True):
                 out[gi].append(_local_value(lists[gi][j]))
     saved_beside = [[list(lst) for lst in lists] for lists in beside]
     state = optimizer.state
@@ -71,13 +60,13 @@ def local_shard_view(
         if entry:
             view[local] = {k: _local_value(v) for k, v in entry.items()}
     try:
-        for g, params in zip(groups, shown):
+        for g, params in zip(groups, shown, strict=True):
             g["params"][:] = params
         _refill(beside, shown_beside)
         optimizer.state = view
         yield pairs
     finally:
-        for g, params in zip(groups, saved):
+        for g, params in zip(groups, saved, strict=True):
             g["params"][:] = params
         _refill(beside, saved_beside)
         optimizer.state = state
@@ -85,8 +74,8 @@ def local_shard_view(
 
 
 def _refill(lists: list[list[list]], contents: list[list[list]]) -> None:
-    for per_group, new in zip(lists, contents):
-        for lst, entries in zip(per_group, new):
+    for per_group, new in zip(lists, contents, strict=True):
+        for lst, entries in zip(per_group, new, strict=True):
             lst[:] = entries
 
 

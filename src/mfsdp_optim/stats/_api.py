@@ -1,25 +1,11 @@
 """The stats layer: exact global gradient norms, zero counts and non-finite flags over DTensors.
 
-Every function here takes gradients as DTensors, each on its own mesh (dense grads on the whole
-world, expert grads on an expert-data-parallel stripe, TP+FSDP grads on a 2-D mesh, ...), and
-answers a question about the *global* tensors with ONE collective over the grad-stats group.
-
-How a rank contributes, worked on a 2x2 mesh ``("dp_rep", "dp_shard")`` with placements
-``(Replicate(), Shard(0))`` and a global grad ``g = [3, 4, 0, 12]``:
-
-=====  ==========  ============  =========================  ===================
-rank   coordinate  local shard   ``||local||_2 ** 2 / 2``   zeros (canonical)
-=====  ==========  ============  =========================  ===================
-0      (0, 0)      [3, 4]        12.5                       0
-1      (0, 1)      [0, 12]       72                         1
-2      (1, 0)      [3, 4]        12.5                       (replica: 0)
-3      (1, 1)      [0, 12]       72                         (replica: 0)
-=====  ==========  ============  =========================  ===================
-
-The one all-gather over the group hands every rank all four rows; their sum, 169 = 9 + 16 + 0 +
-144, gives the norm 13 on every rank, and one zero. ``Shard`` and ``_StridedShard`` dims hold
-disjoint pieces (factor 1); ``Replicate`` dims hold copies (divide by their size); ``Partial`` is
-refused.
+Map: ``grad_stats`` (norm, zeros and the non-finite flag as ``GradStats``), ``get_grad_norm``,
+``count_zeros``, ``clip_grads_with_norm_`` and ``count_replication``; ``RankFailedError`` and
+``StatsArgumentMismatchError`` what a refused input raises. Grads are DTensors, each on its own
+mesh; every function answers about the *global* tensors with ONE collective over the grad-stats
+group, which every rank of it calls. How a rank contributes, worked on a 2x2 mesh:
+docs/concepts.md, "Replication".
 """
 
 from __future__ import annotations

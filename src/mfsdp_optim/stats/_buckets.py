@@ -42,7 +42,9 @@ def bucket_local_shards(grads: Iterable[DTensor], group: dist.ProcessGroup | Non
     if parts.count(part) == n and dtypes.count(dtype) == n and devices.count(device) == n:
         return {(device, dtype, *part): locals_}
     buckets: Buckets = {}
-    for local, dev, dt, (replication, canonical) in zip(locals_, devices, dtypes, parts):
+    for local, dev, dt, (replication, canonical) in zip(
+        locals_, devices, dtypes, parts, strict=True
+    ):
         buckets.setdefault((dev, dt, replication, canonical), []).append(local)
     return buckets
 

@@ -1,36 +1,12 @@
 """The CPU contribution of local shards without a float64 copy of every grad.
 
-On CPU, ``torch._foreach_norm(..., dtype=torch.float64)`` first copies each tensor to float64,
-which costs more than the norm itself. Here a bucket of float32, bfloat16 or float16 tensors on
-one CPU device contributes the same three slots as ``_stats_math.shard_contribution()`` this way:
-
-* ``p = inf``: ``max|x|`` per tensor from ``torch.aminmax`` in the grads' own dtype. A maximum is
-  exact in any dtype, so the result is bitwise what float64 gives.
-* finite ``p`` other than 1 (``p = 1`` keeps the reference path, see ``applies``): every tensor
-  is cut into *pieces* of at most ``piece_size()`` elements (a tensor that small is one piece;
-  a larger one is a ``(k, piece)`` view reduced along its rows, plus its ragged tail). Each
-  piece's ``||piece||_p`` comes from a float32 reduction (no copy for float32 grads), and the
-  pieces' ``||piece||_p ** p`` are summed in float64. A float32 partial sum therefore never
-  runs over more than ``PIECE / 8 = 256`` (float32, ``p = 2``: SIMD lanes) or
-  ``SHORT_PIECE = 64`` terms, however large the tensor: the relative error of
-  ``sum |x| ** p`` is at most about 256 units of float32 rounding (``256 * 2**-24``, 1.5e-5)
-  in the worst case, and measured at 1e-8 to 2e-6 (constant-valued tensors, the adversarial
-  case for running sums, are the 2e-6); the float64 sum over the pieces adds nothing visible.
-  The norm's relative error is that divided by ``p``.
-* A piece whose float32 result lost range is *flagged*: its result is NaN or inf (a NaN or inf
-  grad, or ``|x| ** p`` overflowing float32), below the smallest normal float32, or its
-  ``|x| ** p`` sum is below ``SUM_TINY`` (terms that float32 holds as subnormals or flushes to
-  zero would matter). Every tensor with a flagged piece is recomputed whole in float64, as the
-  reference path does, and its float64 value replaces its pieces; so NaN and inf grads give the
-  reference path's NaN/inf and non-finite count, and grads of 1e30 do not overflow.
-* Zeros: ``torch.count_nonzero`` per tensor (int64, exact).
-
-The recomputation is local math before the collective, so every rank still issues the same
-collective. Which tensors to recompute is only known from their values: with ``host_reads`` the
-CPU tensor of flags is read (``bool()``, no device involved) and only flagged tensors are
-recomputed; without it (the wrapper's ``host_sync=False``, which promises no host reads) the
-float64 value of every tensor is computed and the flagged ones are selected on the tensors. Both
-give bitwise the same contribution.
+Map: ``applies`` whether a bucket takes this path (float32/bfloat16/float16 on CPU, ``p != 1``);
+``cpu_contribution`` the same three slots as ``_math.shard_contribution``: ``p = inf`` from
+``torch.aminmax``, finite ``p`` from float32 norms of pieces of at most ``piece_size`` elements
+(``PIECE``, ``SHORT_PIECE``) summed in float64, a tensor with a piece out of range
+(``in_range``, ``SUM_TINY``) recomputed whole in float64; ``zero_count`` exact zeros. Local
+math only: with or without ``host_reads`` every rank issues the same collective, and the results
+are bitwise equal. The error bound: docs/concepts.md, "How the norm is accumulated".
 """
 
 from __future__ import annotations
@@ -92,7 +68,7 @@ def cpu_contribution(
             tensors (the result is bitwise the same either way).
 
     Returns:
-        The contribution, as ``_stats_math.shard_contribution()`` defines it.
+        The contribution, as ``_math.shard_contribution()`` defines it.
     """
     if math.isinf(norm_type):
         norm_slot, nonfinite = _inf_slots([t for t in tensors if t.numel() > 0])
@@ -116,7 +92,7 @@ def _inf_slots(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
     not empty: a maximum has no identity)."""
     if not tensors:
         return torch.zeros((), dtype=_ACC), torch.zeros((), dtype=_ACC)
-    lows, highs = zip(*(torch.aminmax(t) for t in tensors))
+    lows, highs = zip(*(torch.aminmax(t) for t in tensors), strict=True)
     peaks = torch.maximum(torch.stack(highs), torch.stack(lows).neg()).to(_ACC)
     return peaks.max(), (~torch.isfinite(peaks)).sum(dtype=_ACC)
 

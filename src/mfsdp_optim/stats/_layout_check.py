@@ -1,22 +1,12 @@
 """``check_layout``: find params whose identical copies the stats layer would count several times.
 
-The stats layer counts each *mesh instance* of a DTensor as its own tensor: the dense params of a
-4-rank FSDP mesh once, an expert param once per expert-parallel stripe (every stripe holds other
-experts). A param left off a TP plan breaks that: it stays on the 1-D data-parallel mesh, one
-instance per tp rank, and those instances hold the very same values, so its norm is counted once
-per tp rank. Nothing in the DTensor says so; only the values do.
-
-``check_layout(model)`` compares them: every rank hashes each local shard (its bytes, position
-weighted, on the shard's device) and the grad's when there is one, the ranks exchange
-``(fqn, mesh ranks, placements, shard offset and shape, hashes)`` in ONE object all-gather over
-``group``, and every rank reaches the same verdict from the same data. A param is reported when
-two or more of its mesh instances hold bitwise-identical shards at every position. Experts do not
-trip it (their values differ); nor do constant shards without grads, such as zero-initialised
-expert biases, which prove nothing: call it after a backward pass so the grads decide.
-
-Every rank of ``group`` must call it (a rank without params too), as with any collective. A rank
-whose own pass fails still joins the exchange (``_infra.agreement``): it raises its own error,
-the others ``RankFailedError`` naming it.
+Map: ``check_layout(model)`` -> a ``DuplicatedParam`` per param two or more of whose mesh
+instances hold bitwise-identical shards (and grads) at every position, e.g. a param left off a
+TP plan; each rank hashes its shards, ONE object all-gather over ``group`` shares
+``(fqn, mesh ranks, placements, offset, shape, hashes)``, every rank reaches the same verdict.
+Every rank of ``group`` calls it, after a backward pass (grads decide); a rank whose own pass
+fails still joins (``_infra.agreement``). Why the stats need it: docs/concepts.md, "Tensor
+parallelism: a param left off the plan" and "How check_layout decides".
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """The pure core of the stats layer: one rank's contribution and how contributions combine.
 
-Nothing here touches a process group. A *contribution* is a float64 vector of three slots::
-
-    [norm_slot, zeros, nonfinite]
-
-* ``norm_slot``: for a finite ``p`` the sum over local shards of ``||shard||_p ** p / replication``;
-  for ``p = inf`` the largest ``max|x|`` of any local shard (replicas hold the same maximum, so
-  nothing is divided).
-* ``zeros``: zero elements of the local shards, counted on the canonical replica alone, so the sum
-  over ranks counts every global element exactly once. float64 holds integers exactly up to 2**53.
-* ``nonfinite``: how many local shards hold a NaN or an inf (replicas included).
-
-Contributions of a finite ``p`` combine by summation; those of ``p = inf`` need a maximum in the
-first slot and sums in the others. Both are gathered (``_reduce``: one all-gather whatever ``p``,
-so ranks with different arguments can never issue different collectives) and combined by
-``combine_contributions()``, which is also what combines the groups of one rank. Accumulation is
-float64 throughout: a float32 grad of 1e30 squares to 1e60 without
-overflow, and the zero count stays exact far past 2**24. On CPU (``_cpu_stats``) float32 partial
-sums of at most ``_cpu.PIECE`` elements are accumulated in float64, and a tensor whose
-float32 partial lost range is recomputed in float64.
+Map: a *contribution* is a float64 vector ``[norm_slot, zeros, nonfinite]`` (``NORM_SLOT``,
+``ZEROS_SLOT``, ``NONFINITE_SLOT``); ``shard_contribution`` one bucket's, ``combine_contributions``
+the sum (a maximum in the first slot for ``p = inf``) over ranks or buckets, ``finish_norm`` the
+norm from the first slot, ``check_norm_type`` the argument check. Nothing here touches a process
+group (the collective is ``_reduce``; the CPU kernel ``_cpu``). The slots' meaning:
+docs/concepts.md, "One rank's contribution".
 """
 
 from __future__ import annotations

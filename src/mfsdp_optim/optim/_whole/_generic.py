@@ -2,12 +2,12 @@
 param (torch's Adafactor) and classes the package does not know.
 
 Members send a unit's owner their pieces of the param, its grad and every param-shaped state
-entry; the owner assembles full tensors and calls ``optimizer.step()`` once, shown (in place, as
-``_views.local_shard_view`` does) group lists holding the full params it owns and a state mapping
-keyed by them; every other rank calls ``step()`` once with its lists emptied, so step hooks run
-once per rank. The owner sends back each member's piece of the new param and of each param-shaped
-entry, and the full value of every other entry (kept as a Replicate DTensor on the param's mesh;
-0-d tensors and plain values as stock keeps them). Each direction: a sizes all-to-all + one.
+entry; the owner assembles full tensors and calls ``optimizer.step()`` once, shown (in place,
+as ``optim._views.local_shard_view`` does) group lists holding the full params it owns and a
+state mapping keyed by them; every other rank calls ``step()`` once with its lists emptied
+(step hooks run once per rank). The owner sends back each member's piece of the new param and
+of each param-shaped entry, and every other entry whole (a Replicate DTensor on the param's
+mesh; 0-d and plain values as stock keeps them); each direction: a sizes all-to-all + one.
 """
 
 from __future__ import annotations
