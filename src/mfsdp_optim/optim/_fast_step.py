@@ -1,27 +1,11 @@
 """The Adam/AdamW fast step: torch's own multi-tensor kernels on cached local-tensor lists.
 
-The generic step shows the base optimizer local shards and calls its ``step()``, whose
-``_init_group`` reads every grad and state entry back one param at a time. For torch's own
-``Adam``/``AdamW`` with ``fused=True`` or ``foreach=True`` (see ``_dispatch.Route``) the wrapper
-calls instead what ``Adam.step()`` calls after ``_init_group``, with lists it keeps:
-
-* fused groups whose params, state and grads share one (device, dtype), no complex params:
-  ``torch._foreach_add_(steps, 1)`` then ``torch._fused_adam_``/``torch._fused_adamw_``;
-* every other eligible group: the functional ``torch.optim.adam.adam(...)`` with the arguments
-  ``Adam.step()`` passes it.
-
-Same kernels, same tensors, same argument values: bit-identical to the base step. Per group the
-cache holds the local shards of the params (``group["params"]`` order) and of their state
-(exp_avg, exp_avg_sq, max_exp_avg_sq, step), which ``optimizer.state`` keeps as DTensors; the
-kernels update them in place. The wrapper's prepare loop appends each param's local work grad to
-its group's list (``Slot.fast_list``); params without a grad are left out, as ``_init_group``
-leaves them out.
-
-The cache is valid while the slot table is unchanged, ``optimizer.state`` is the same mapping of
-the same size, ``param_groups`` holds the same group dicts with the same ``params`` lists, each
-group's ``amsgrad`` is unchanged, and every param still has the local tensor it was built with.
-Replacing a single value inside ``optimizer.state[p]`` by hand is not seen: call
-``FullyShardedOptimizer.invalidate_caches()`` after doing so.
+``FastAdamStep`` calls what ``Adam.step()`` calls after ``_init_group`` (fused or foreach,
+``_dispatch.Route``) on per-group lists of local shards it keeps (``_GroupCache``): bit-identical
+to the base step. Valid while the slot table, ``optimizer.state`` (same mapping and size),
+``param_groups`` and each group's ``amsgrad`` are unchanged and the params keep their local
+tensors; ``FullyShardedOptimizer.invalidate_caches()`` after replacing a state value by hand.
+Details: docs/concepts.md, "The Adam fast step".
 """
 
 from __future__ import annotations
@@ -133,7 +117,7 @@ class FastAdamStep:
         pgs = optimizer.param_groups
         if pgs is not self._param_groups or len(pgs) != len(groups):
             return False
-        for gc, group in zip(groups, pgs):
+        for gc, group in zip(groups, pgs, strict=True):
             if (
                 group is not gc.group
                 or group["params"] is not gc.params_list

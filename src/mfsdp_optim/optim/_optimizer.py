@@ -1,14 +1,11 @@
 """``FullyShardedOptimizer``: any ``torch.optim`` optimizer (or several) over DTensor params.
 
-The step contract (Megatron-Core's mixed-precision optimizer, on DTensors)::
-
-    step() = prepare (``_step``)  unscale, cast, ONE grad_stats collective over every base
-                                   optimizer's grads (norm, zeros, found_inf)
-             -> found_inf and a grad scaler: skip on every rank, update the scaler
-             -> clip to config.clip_grad -> each engine's base step (``_engine``) -> restore
-
-This class keeps the stages, the config, torch's hook surface, and the scaler and checkpoint
-adapters (``_checkpointing``); each base optimizer's caches live in its ``Engine``.
+The step contract: prepare (``_step``: unscale, cast, ONE grad_stats collective over every base
+optimizer's grads) -> found_inf and a grad scaler: skip on every rank, update the scaler ->
+clip to ``config.clip_grad`` -> each engine's base step (``_engine``) -> restore cast grads.
+This class keeps the stages, the config and the checkpoint adapter (``_checkpointing``); the
+stock optimizer surface is ``_surface.OptimizerSurface``; each base optimizer's caches live in
+its ``Engine``.
 """
 
 from __future__ import annotations

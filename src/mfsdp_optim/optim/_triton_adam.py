@@ -1,53 +1,11 @@
-"""Triton step for fused Adam/AdamW groups on CUDA (``OptimizerConfig(triton_adam_step=True)``,
-the default; ``False`` keeps torch's kernel).
+"""Triton step for fused Adam/AdamW groups on CUDA (``OptimizerConfig(triton_adam_step=True)``).
 
-Why: with clipping on, torch's fused kernel can only take the clip as its ``grad_scale``, and then
-it stores every divided grad back (4 more bytes per fp32 element on top of the 28 the update
-moves). This kernel reads the clip divisor from device memory, applies it inside the update and
-does not write the grads: 28 bytes per element, one launch per (device, dtype) group, no host
-sync. The grads therefore keep their unclipped values after the step.
-
-Arithmetic follows ``torch._fused_adam_``/``_fused_adamw_`` (``aten/src/ATen/native/cuda/
-fused_adam_utils.cuh``): the same operations in the same order, the per-tensor scalars (bias
-corrections, step size, ``lr * weight_decay``) in float64, IEEE-rounded divisions and square
-roots; the elementwise update runs in float32. The two kernels round differently, so results are
-not bit-identical to torch's: they agree to a few float32 ulps where the update is
-well-conditioned and to a few hundred where it is not (second moments near ``eps**2``); against
-a float64 evaluation this kernel is at least as accurate as torch's (``tests/
-test_triton_adam.py``). Step counters are incremented by the kernel itself (the last program to
-finish adds 1 to every counter; every program computes with ``step + 1``), so there is no
-separate ``_foreach_add_`` launch. It reads ``found_inf`` from device memory as torch's kernel
-does (a skipped update touches nothing and leaves the counters), so the wrapper's device-side
-skips and its deferred rank verdict (``_reduce.reduce_buckets_deferred``) gate it without a host
-read.
-
-Layout: one int64 table per launch (``AdamTable``): element offsets of params, exp_avg,
-exp_avg_sq and grads from the first tensor of each list, numels, cumulative ``BLOCK``-item
-counts, step-counter offsets, and the hyperparameters as float64 bit patterns (Triton would pass
-Python floats as float32: ``1 - beta2`` would be off by 1e-5 relative). Program ``i`` of a
-persistent grid takes a contiguous run of items, finds its first tensor by binary search, then
-walks forward, as the stats kernel does. The fast step hands its per-group cache as the table's
-holder: the table is built once for those lists and kept on the device; at each step only the
-grads' addresses are checked (``device_table.same_addresses``) and only what changed (the grad
-offsets, the hyperparameters) is uploaded again, through a pinned buffer and without a sync.
-Why nothing can go stale unseen: the module docstring of ``_arg_table``.
-
-Which groups it takes (the rule): with a holder, every size. What is left on the host per step
-is one address check of the grads, their contiguity check and a handful of numpy operations,
-about 0.1-0.2 us per tensor, less than torch's fused kernel spends per tensor on the host (the
-bare fused AdamW step over 3000 x 512x256 took 11-21 ms against a 2.8-2.95 ms floor on the
-device machine, ``benchmarks/RESULTS.md``: 3 us or more per tensor, and the separate
-``_foreach_add_`` of the counters on top),
-so the kernel's gains (no grad store with a clip, counters advanced inside it) come on top.
-Without a holder (the fast step's lists filtered this step because some params have no grad, or
-a direct call), the table is built for the call from every tensor's address (about 1 us per
-tensor on the device machine's host): there groups of fewer than ``_MIN_MEAN_NUMEL`` = 2**20
-elements per tensor on average are left to torch's kernel.
-
-Not taken (torch's own fused kernel runs): groups of small tensors without a holder (above),
-amsgrad, a tensor lr, non-contiguous or misaligned tensors, a dtype other than float32/
-bfloat16/float16, params/state/grads of different dtypes, CPU tensors, CUDA graph capture,
-``torch.compile`` tracing, Triton missing.
+``TritonAdam.step`` runs ``_fused_adam(w)_``'s arithmetic with the clip divisor read from device
+memory and applied inside the update (grads not written: 28 bytes per fp32 element), the step
+counters advanced by the kernel, and ``found_inf`` gating it (device-side skips, the deferred
+verdict of ``stats._reduce``). ``AdamTable`` is its persistent argument table, kept by the fast
+step's per-group cache (``_infra.device_table``). Not bit-identical to torch's kernel (float32
+rounding); which groups it takes and why: docs/concepts.md, "The Triton Adam step".
 """
 
 from __future__ import annotations
@@ -279,9 +237,9 @@ class AdamTable:
     list's first kept tensor (the step offsets from ``steps[0]``). ``build`` returns None when
     the kernel cannot address the static lists (an offset that is not a whole element).
 
-    It holds the static lists and the storages of their tensors (the argument of the module
-    docstring of ``_arg_table``); of the grads it keeps only their addresses. The device copy
-    is made by the first ``refresh_grads`` (the grad offsets complete it).
+    It holds the static lists and the storages of their tensors (why: docs/concepts.md, "Kernel
+    argument tables"); of the grads it keeps only their addresses. The device copy is made by
+    the first ``refresh_grads`` (the grad offsets complete it).
     """
 
     __slots__ = (
@@ -367,7 +325,8 @@ class AdamTable:
         if not all(map(_is, self.lists, (params, exp_avgs, exp_avg_sqs, steps))):
             return False
         if check_all_lists():
-            return all(same_addresses(xs, ptrs) for xs, ptrs in zip(self.lists, self.static_ptrs))
+            pairs = zip(self.lists, self.static_ptrs, strict=True)
+            return all(same_addresses(xs, ptrs) for xs, ptrs in pairs)
         return True
 
     def refresh_grads(self, grads: list[torch.Tensor]) -> bool:
@@ -429,7 +388,7 @@ def _grads_ok(grads: list[torch.Tensor], dtype: torch.dtype, vouched: torch.dtyp
 class TritonAdam:
     """The kernel's host side. A call with a ``holder`` (the fast step's per-group cache) keeps its
     table there, checks the grads' addresses at each step and re-uploads only what moved
-    (``AdamTable``, ``_arg_table``); a call without one builds a table for that call."""
+    (``AdamTable``, ``_infra.device_table``); a call without one builds a table for that call."""
 
     def __init__(self) -> None:
         self._tickets: dict[int, torch.Tensor] = {}

@@ -1,36 +1,11 @@
 """Optional fused kernels for the stats layer (CUDA + Triton).
 
-``shard_contribution`` has the contract of ``mfsdp_optim.stats._math.shard_contribution()``
-and returns None when no fused kernel applies (CPU tensors, Triton missing, CUDA graph capture,
-``torch.compile`` tracing, an unsupported dtype), in which case the caller falls back to the
-pure-torch multi-tensor path.
-
-Design (one launch per bucket, no host synchronisation):
-
-* The host builds one int64 table (``StatsTable``): each tensor's element offset from the
-  first tensor, its ``numel``, and the cumulative count of ``BLOCK``-element *items* (a tensor
-  of ``numel`` elements is ``ceil(numel / BLOCK)`` items). The table is persistent
-  (``_arg_table``): kept on the device per (device, stream, dtype, numels of the bucket), and at
-  each call only the tensors' addresses are checked; when they moved (FSDP2 re-allocated the grads)
-  only the offsets are re-uploaded, through a pinned buffer and a non-blocking copy. The table
-  holds no tensor: its numels are the cache key and its offsets are re-checked at every call.
-* One persistent Triton kernel runs ``G = SMs x programs-per-SM`` programs. Program ``i`` takes a
-  contiguous run of items, finds its first tensor with a binary search over the cumulative item
-  counts, then walks forward. Each item is one ``BLOCK``-wide load: unmasked (and 16-byte
-  vectorised when every tensor is 16-byte aligned) except the ragged last item of a tensor.
-  Per lane it accumulates ``|x|^p`` in float64 (``x*x`` for p=2, ``|x|`` for p=1, ``|x|*x*x``
-  for p=3, ``sqrt|x|`` for p=0.5, ``pow`` otherwise) or ``max|x|`` (float32, NaN-propagating)
-  for p=inf, and the zero count in int32 lanes, after folding ``FOLD`` neighbouring elements
-  held by one thread (fewer float64 accumulator registers, so more programs fit on an SM). When it
-  leaves a tensor it reduces the lanes: a
-  non-finite segment sum (or maximum) means that tensor holds a NaN or an inf, and sets that
-  tensor's flag.
-* Every program writes its partial (float64 sum or max, int64 zeros) to a workspace; the last
-  program to finish (an acq_rel atomic ticket) reduces the partials in a fixed order (so the
-  result is deterministic), counts and clears the flags, resets the ticket and writes the
-  3-slot float64 contribution ``[sum / replication or max, zeros, flagged tensors]``.
-
-Everything here is private; the stats layer calls ``shard_contribution()`` once per bucket.
+``shard_contribution`` has the contract of ``stats._math.shard_contribution()`` and returns
+None when no fused kernel applies (CPU tensors, Triton missing, CUDA graph capture,
+``torch.compile`` tracing, an unsupported dtype); the caller then takes the pure-torch path.
+One persistent kernel per bucket over a persistent table (``StatsTable``, kept per device,
+stream, dtype and numels; ``_infra.device_table``), float64 accumulation, a deterministic final
+reduction by the last program. Design: docs/concepts.md, "The fused stats kernel".
 """
 
 from __future__ import annotations

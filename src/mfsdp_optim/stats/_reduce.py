@@ -185,7 +185,7 @@ def _gather_rows(
 ) -> tuple[torch.Tensor, BaseException | None, float, int]:
     """This rank's row (contribution, failure flag, arguments, marker) and THE collective:
     every rank's rows, ``(rows, this rank's failure, p, world)``. ``host_reads``: the CPU stats
-    may read their own CPU flags before the collective (see ``_cpu_stats``)."""
+    may read their own CPU flags before the collective (see ``stats._cpu``)."""
     failure = buckets if isinstance(buckets, BaseException) else None
     p = math.nan
     contribution = None
@@ -311,7 +311,7 @@ def _bucket_contribution(
     host_reads: bool = False,
 ) -> torch.Tensor:
     """One bucket's contribution: the fused kernel where it applies, else multi-tensor torch
-    (on CPU: ``_cpu_stats``, which may read its CPU flags when ``host_reads``)."""
+    (on CPU: ``stats._cpu``, which may read its CPU flags when ``host_reads``)."""
     kwargs: dict[str, Any] = dict(
         norm_type=norm_type, replication=replication, canonical=canonical, count_zeros=count_zeros
     )
