@@ -12,10 +12,12 @@ Layout (``fqn`` from the model's ``named_parameters()``; format 3, the current l
         (("betas", (0.9, 0.999)), ("eps", 1e-08), ("lr", 0.001), ...),   # hyperparameters
         (("step", 12.0, "float32"),))                                    # scalar state
 
-``state[fqn]`` holds the parameter-shaped state only: DTensors in the parameter's layout, sharing
-storage with the live state; every rank with a shard (an empty one included) emits its
-``state`` tensors. ``param_to_group_meta`` is a read-only ``GroupMetaTable`` (see ``_table``):
-``table[fqn]`` is the param's read-only ``{hyperparameter: value}`` mapping, and
+``state[fqn]`` holds the tensor state: DTensors in the parameter's layout, and state DTensors of
+their own shape and placements on the parameter's mesh (Adafactor's ``row_var``/``col_var``
+under the wrapper, see ``_layout``), sharing storage with the live state; every rank with a
+shard (an empty one included) emits its parameter-shaped ``state`` tensors (own-layout ones when
+it holds them, or when loading). ``param_to_group_meta`` is a read-only ``GroupMetaTable`` (see
+``_table``): ``table[fqn]`` is the param's read-only ``{hyperparameter: value}`` mapping, and
 ``table.leaf(fqn)`` the stored ``(hyperparameters, scalars)`` leaf: the param group's
 hyperparameters (every key but ``params``) as sorted ``(name, plain value)`` pairs and the
 param's scalar state (``step``) as sorted ``(key, value, dtype)`` triples, ``dtype`` the name of
@@ -129,12 +131,14 @@ def build_sharded_state_dict(
         own = local.state.get(rec.fqn, {})
         entry = {}
         for key, slot in slots:
-            if slot.kind != "t":
+            if slot.kind not in ("t", "r"):
                 continue
             if key in own:
                 entry[key] = wrap(own[key][1], rec.param)
-            else:
+            elif slot.kind == "t" or is_loading:
                 entry[key] = placeholder(slot, rec.param)
+            # else: an "r" value this rank lacks is not saved from here: its zeros could be the
+            # copy of a replicated chunk that DCP keeps; the ranks that hold it write it
         if entry:
             state[rec.fqn] = entry
     return OptimizerStateDict(state=state, param_to_group_meta=table)
@@ -154,7 +158,7 @@ def _table(keyspace: Keyspace) -> GroupMetaTable:
             scalars = tuple(
                 (k, s.value, s.dtype if s.kind == "s" else None)
                 for k, s in keyspace.state.get(fqn, ())
-                if s.kind != "t"
+                if s.kind in ("s", "n")
             )
             yield fqn, (h, scalars)
 

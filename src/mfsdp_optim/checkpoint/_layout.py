@@ -7,11 +7,14 @@ A state value is one of four kinds (the letter is what the keyspace description 
          ``param._local_tensor`` aliases), which is wrapped with ``DTensor.from_local`` (no copy).
 ``"s"``  a 0-d plain tensor scalar such as torch Adam's ``step``; stays a plain tensor, so DCP
          deduplicates it across ranks and every rank must hold the same value.
+``"r"``  a DTensor of its OWN global shape and placements on the parameter's mesh (Adafactor's
+         ``row_var`` / ``col_var`` under the wrapper: Replicate, full value on every rank).
+         Saved as that DTensor: DCP reshards it by its own placements. Its slot value is
+         ``(global shape, placements)``, from which ranks without it build placeholders.
 ``"n"``  a plain Python value (a number ``step`` of an older optimizer, ``None``, a string).
 
-Anything else (a plain tensor that is neither the local shard's shape nor 0-d, or a DTensor with
-another global shape, e.g. factored second moments) cannot be resharded from the parameter's
-layout and is refused with a message naming the parameter and key.
+Anything else (a plain tensor that is neither the local shard's shape nor 0-d, a DTensor on
+another mesh or with a Partial placement) is refused with a message naming the parameter and key.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .._infra.placement import in_layout_of
 from ._values import dtype_from_name, dtype_name
 
-__all__ = ["StateLayoutError", "Slot", "classify", "placeholder", "wrap"]
+__all__ = ["StateLayoutError", "Slot", "classify", "own_layout", "placeholder", "wrap"]
 
 _PLAIN = (bool, int, float, str, type(None))
 
@@ -45,15 +49,28 @@ def local_shape(param: DTensor) -> torch.Size:
     return param._local_tensor.shape
 
 
+def own_layout(value: DTensor) -> tuple[tuple[int, ...], tuple]:
+    """The slot value of an ``"r"`` state DTensor: its global shape and placements."""
+    return tuple(value.shape), tuple(value.placements)
+
+
 def classify(fqn: str, key: str, value: Any, param: DTensor) -> Slot:
     """The kind of ``value``; the value of an ``"s"`` slot is filled in later, batched."""
     if isinstance(value, DTensor):
-        if value.shape != param.shape:
+        if value.shape == param.shape:
+            return Slot("t", dtype_name(value.dtype), None)
+        where = f"state {fqn!r}[{key!r}] (a DTensor of global shape {tuple(value.shape)})"
+        if value.device_mesh != param.device_mesh:
             raise StateLayoutError(
-                f"state {fqn!r}[{key!r}] is a DTensor of global shape {tuple(value.shape)}, "
-                f"its parameter's is {tuple(param.shape)}: only parameter-shaped state reshards"
+                f"{where} lives on {value.device_mesh}, its parameter on {param.device_mesh}: "
+                "state not shaped like its parameter must live on the parameter's mesh"
             )
-        return Slot("t", dtype_name(value.dtype), None)
+        if any(p.is_partial() for p in value.placements):
+            raise StateLayoutError(
+                f"{where} has a Partial placement {tuple(value.placements)}: reduce it before "
+                "saving (its local values are pending addends, not pieces of the state)"
+            )
+        return Slot("r", dtype_name(value.dtype), own_layout(value))
     if isinstance(value, torch.Tensor):
         if value.dim() == 0 and (param.dim() > 0 or key == "step"):
             return Slot("s", dtype_name(value.dtype), None)
@@ -80,13 +97,30 @@ def wrap(value: torch.Tensor, param: DTensor) -> DTensor:
 
 def placeholder(slot: Slot, param: DTensor) -> Any:
     """The value a rank without state emits for ``slot``: zeros in the parameter's layout (empty
-    when its local shard is empty), or the owners' scalar value."""
+    when its local shard is empty), zeros in an ``"r"`` slot's own shape and placements on the
+    parameter's mesh, or the owners' scalar value."""
     if slot.kind == "t":
         assert slot.dtype is not None  # classify() names the dtype of every tensor slot
         local = torch.zeros(
             local_shape(param), dtype=dtype_from_name(slot.dtype), device=param._local_tensor.device
         )
         return wrap(local, param)
+    if slot.kind == "r":
+        assert slot.dtype is not None
+        shape, placements = slot.value
+        mesh = param.device_mesh
+        local_size, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
+        local = torch.zeros(
+            local_size, dtype=dtype_from_name(slot.dtype), device=param._local_tensor.device
+        )
+        return DTensor.from_local(
+            local,
+            mesh,
+            placements,
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=torch.empty(shape, device="meta").stride(),
+        )
     if slot.kind == "s":
         assert slot.dtype is not None  # classify() names the dtype of every tensor slot
         return torch.tensor(slot.value, dtype=dtype_from_name(slot.dtype))
