@@ -238,3 +238,45 @@ def test_wrong_shaped_factor_raises_on_every_rank_and_changes_nothing(ranks, tmp
         assert "'0.weight'" in message and "'row_var'" in message, message
         assert "global shape (6, 1), expected (5, 1)" in message, message
         assert "rank 1" in message, message
+
+
+def _rank_without_state(path):
+    """Rank 3 describes no state (as a rank whose optimizer dropped the params would): it saves
+    no own-layout value (a peer writes the Replicate chunk) and, loading, emits placeholders of
+    the factors' own global shape and placements that dcp.load fills."""
+    import torch.distributed.checkpoint as dcp
+    from _layouts import get_mesh
+
+    from mfsdp_optim.checkpoint import ParamRecord, build_sharded_state_dict
+
+    model, opt = _wrapped(get_mesh((4,)), "adafactor")
+    full, ref = _reference(model, opt, "adafactor")
+    _train(model, opt, full, ref, STEPS_BEFORE, 0)
+    base, rank = opt.optimizers[0], dist.get_rank()
+    records = [ParamRecord(n, p, None if rank == 3 else p) for n, p in model.named_parameters()]
+    sd = build_sharded_state_dict(base, records)
+    saved_keys = {fqn: sorted(e) for fqn, e in sd["state"].items()}
+    dcp.save({"optimizer": sd}, checkpoint_id=path)
+    target = build_sharded_state_dict(base, records, is_loading=True)
+    for entry in target["state"].values():
+        for v in entry.values():
+            v._local_tensor.fill_(float("nan"))  # only dcp.load can make these right
+    dcp.load({"optimizer": target}, checkpoint_id=path)
+    got = {}
+    for fqn, entry in target["state"].items():
+        rstate = ref[0].state[full[fqn]]
+        for k, v in entry.items():
+            got[f"{fqn}.{k}"] = (tuple(v.shape), tuple(map(repr, v.placements)))
+            assert torch.equal(v.full_tensor(), rstate[k]), f"{fqn}[{k}] after the load"
+    return saved_keys, got
+
+
+def test_rank_without_state_saves_no_factor_and_loads_into_placeholders(ranks, tmp_path):
+    results = ranks(4).run(_rank_without_state, str(tmp_path / "ckpt"))
+    saved_keys, got = results[3]
+    assert "0.weight" not in saved_keys  # its factors only: none saved from rank 3
+    assert "0.bias" in saved_keys and saved_keys["0.bias"] == ["variance"]  # "t": placeholder
+    assert got["0.weight.row_var"] == ((5, 1), ("Replicate()",))
+    assert got["0.weight.col_var"] == ((1, 6), ("Replicate()",))
+    assert all(r[1] == got for r in results)  # every rank loads the same keys and layouts
+    assert results[0][0]["0.weight"] == ["col_var", "row_var"]
