@@ -99,12 +99,14 @@ def build_sharded_state_dict(
         own = local.state.get(rec.fqn, {})
         entry = {}
         for key, slot in slots:
-            if slot.kind != "t":
+            if slot.kind not in ("t", "r"):
                 continue
             if key in own:
                 entry[key] = wrap(own[key][1], rec.param)
-            else:
+            elif slot.kind == "t" or is_loading:
                 entry[key] = placeholder(slot, rec.param)
+            # else: an "r" value this rank lacks is not saved from here: its zeros could be the
+            # copy of a replicated chunk that DCP keeps; the ranks that hold it write it
         if entry:
             state[rec.fqn] = entry
     return OptimizerStateDict(state=state, param_to_group_meta=table)
@@ -124,7 +126,7 @@ def _table(keyspace: Keyspace) -> GroupMetaTable:
             scalars = tuple(
                 (k, s.value, s.dtype if s.kind == "s" else None)
                 for k, s in keyspace.state.get(fqn, ())
-                if s.kind != "t"
+                if s.kind in ("s", "n")
             )
             yield fqn, (h, scalars)
 

@@ -26,7 +26,7 @@ from ._values import PlainValueError, dtype_name, group_meta
 
 __all__ = ["Keyspace", "LocalState", "agree", "derive_signature", "describe", "merge"]
 
-Signature = tuple[tuple[str, str], ...]  # sorted (state key, dtype name) of parameter-shaped state
+Signature = tuple[tuple[str, str], ...]  # sorted (state key, dtype name) of tensor state
 
 
 class LocalState(NamedTuple):
@@ -156,7 +156,11 @@ def _signatures(optimizer, records, state, group_of) -> dict[str, Signature]:
         entries = state.get(rec.fqn)
         if entries is not None:
             out[rec.fqn] = tuple(
-                sorted((k, s.dtype or "") for k, (s, _) in entries.items() if s.kind == "t")
+                sorted(
+                    (k, s.dtype or "") if s.kind == "t" else (k, f"r:{s.dtype}:{s.value!r}")
+                    for k, (s, _) in entries.items()
+                    if s.kind in ("t", "r")
+                )
             )
             continue
         if rec.opt_param is not None:
@@ -232,19 +236,22 @@ def merge(descriptions: list[dict]) -> tuple[Keyspace, list[str]]:
             if sid < 0:
                 continue
             sig = slots[sid]
-            structure = tuple((k, kind, dtype) for k, kind, dtype, _ in sig)
+            # an "r" slot's value (its global shape and placements) is part of its structure
+            structure = tuple(
+                (k, kind, dtype, v if kind == "r" else None) for k, kind, dtype, v in sig
+            )
             if fqn not in state:
                 state[fqn] = tuple((k, Slot(kind, dtype, v)) for k, kind, dtype, v in sig)
                 shape_of[fqn] = structure
             elif shape_of[fqn] != structure:
                 errors.append(
-                    f"{fqn!r}: ranks hold different state keys or dtypes: "
+                    f"{fqn!r}: ranks hold different state keys, dtypes or layouts: "
                     f"{list(shape_of[fqn])} vs rank {rank}: {list(structure)}"
                 )
             elif state[fqn] != tuple((k, Slot(kind, dtype, v)) for k, kind, dtype, v in sig):
                 errors.append(
                     f"{fqn!r}: ranks hold different scalar state: "
-                    f"{[(k, s.value) for k, s in state[fqn] if s.kind != 't']} vs rank {rank}: "
-                    f"{[(k, v) for k, kind, _, v in sig if kind != 't']} (DCP would keep one)"
+                    f"{[(k, s.value) for k, s in state[fqn] if s.kind in 'sn']} vs rank {rank}: "
+                    f"{[(k, v) for k, kind, _, v in sig if kind in 'sn']} (DCP would keep one)"
                 )
     return Keyspace(state, meta), errors

@@ -2,10 +2,12 @@
 
 Map: ``classify`` a value as a ``Slot`` of kind ``"t"`` (parameter-shaped: a DTensor in the
 param's layout, or a local-shard-shaped tensor that ``wrap`` turns into one, no copy), ``"s"``
-(a 0-d plain tensor such as Adam's ``step``) or ``"n"`` (a plain Python value); anything else
-raises ``StateLayoutError`` naming the param and key. ``placeholder`` the empty-local stand-in
-a rank without state emits. The kinds, and why others are refused: docs/concepts.md, "Inside
-the checkpoint layer".
+(a 0-d plain tensor such as Adam's ``step``), ``"r"`` (a DTensor of its own global shape and
+placements on the param's mesh, e.g. Adafactor's factors: saved as it is, its slot value
+``(shape, placements)``) or ``"n"`` (a plain Python value); anything else raises
+``StateLayoutError`` naming the param and key. ``placeholder`` the stand-in a rank without
+state emits. The kinds, and why others are refused: docs/concepts.md, "Inside the checkpoint
+layer".
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .._infra.placement import in_layout_of
 from ._values import dtype_from_name, dtype_name
 
-__all__ = ["StateLayoutError", "Slot", "classify", "placeholder", "wrap"]
+__all__ = ["StateLayoutError", "Slot", "classify", "own_layout", "placeholder", "wrap"]
 
 _PLAIN = (bool, int, float, str, type(None))
 
@@ -39,15 +42,28 @@ def local_shape(param: DTensor) -> torch.Size:
     return param._local_tensor.shape
 
 
+def own_layout(value: DTensor) -> tuple[tuple[int, ...], tuple]:
+    """The slot value of an ``"r"`` state DTensor: its global shape and placements."""
+    return tuple(value.shape), tuple(value.placements)
+
+
 def classify(fqn: str, key: str, value: Any, param: DTensor) -> Slot:
     """The kind of ``value``; the value of an ``"s"`` slot is filled in later, batched."""
     if isinstance(value, DTensor):
-        if value.shape != param.shape:
+        if value.shape == param.shape:
+            return Slot("t", dtype_name(value.dtype), None)
+        where = f"state {fqn!r}[{key!r}] (a DTensor of global shape {tuple(value.shape)})"
+        if value.device_mesh != param.device_mesh:
             raise StateLayoutError(
-                f"state {fqn!r}[{key!r}] is a DTensor of global shape {tuple(value.shape)}, "
-                f"its parameter's is {tuple(param.shape)}: only parameter-shaped state reshards"
+                f"{where} lives on {value.device_mesh}, its parameter on {param.device_mesh}: "
+                "state not shaped like its parameter must live on the parameter's mesh"
             )
-        return Slot("t", dtype_name(value.dtype), None)
+        if any(p.is_partial() for p in value.placements):
+            raise StateLayoutError(
+                f"{where} has a Partial placement {tuple(value.placements)}: reduce it before "
+                "saving (its local values are pending addends, not pieces of the state)"
+            )
+        return Slot("r", dtype_name(value.dtype), own_layout(value))
     if isinstance(value, torch.Tensor):
         if value.dim() == 0 and (param.dim() > 0 or key == "step"):
             return Slot("s", dtype_name(value.dtype), None)
@@ -74,13 +90,30 @@ def wrap(value: torch.Tensor, param: DTensor) -> DTensor:
 
 def placeholder(slot: Slot, param: DTensor) -> Any:
     """The value a rank without state emits for ``slot``: zeros in the parameter's layout (empty
-    when its local shard is empty), or the owners' scalar value."""
+    when its local shard is empty), zeros in an ``"r"`` slot's own shape and placements on the
+    parameter's mesh, or the owners' scalar value."""
     if slot.kind == "t":
         assert slot.dtype is not None  # classify() names the dtype of every tensor slot
         local = torch.zeros(
             local_shape(param), dtype=dtype_from_name(slot.dtype), device=param._local_tensor.device
         )
         return wrap(local, param)
+    if slot.kind == "r":
+        assert slot.dtype is not None
+        shape, placements = slot.value
+        mesh = param.device_mesh
+        local_size, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
+        local = torch.zeros(
+            local_size, dtype=dtype_from_name(slot.dtype), device=param._local_tensor.device
+        )
+        return DTensor.from_local(
+            local,
+            mesh,
+            placements,
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=torch.empty(shape, device="meta").stride(),
+        )
     if slot.kind == "s":
         assert slot.dtype is not None  # classify() names the dtype of every tensor slot
         return torch.tensor(slot.value, dtype=dtype_from_name(slot.dtype))

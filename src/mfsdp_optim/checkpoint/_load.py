@@ -142,6 +142,39 @@ def _check_tensor(fqn, key, value, live, param) -> list[str]:
     return out
 
 
+def _check_own_layout(fqn, key, value, live, param) -> list[str]:
+    """An ``"r"`` value: a DTensor on the param's mesh in the live value's shape, placements and
+    dtype (what ``dcp.load`` into ``build_sharded_state_dict(is_loading=True)`` gives; DCP
+    reshards by the target's placements), or, without live state, any non-Partial layout on the
+    param's mesh."""
+    where = f"state {fqn!r}[{key!r}]"
+    if not isinstance(value, DTensor):
+        return [f"{where}: expected a DTensor on the param's mesh, got {type(value).__name__}"]
+    if live is None:
+        try:
+            classify(fqn, key, value, param)
+        except StateLayoutError as exc:
+            return [str(exc)]
+        return []
+    out = []
+    if value.shape != live.shape:
+        out.append(f"{where}: global shape {tuple(value.shape)}, expected {tuple(live.shape)}")
+    if value.dtype != live.dtype:
+        out.append(f"{where}: dtype {value.dtype}, expected {live.dtype}")
+    if value.device_mesh != live.device_mesh or tuple(value.placements) != tuple(live.placements):
+        out.append(
+            f"{where}: layout {value.device_mesh} {tuple(value.placements)}, expected the live "
+            f"state's {live.device_mesh} {tuple(live.placements)} (load into the target of "
+            "sharded_state_dict(is_loading=True); DCP reshards into its placements)"
+        )
+    elif value._local_tensor.shape != live._local_tensor.shape:
+        out.append(
+            f"{where}: local shape {tuple(value._local_tensor.shape)}, expected "
+            f"{tuple(live._local_tensor.shape)}"
+        )
+    return out
+
+
 def _check_scalar(fqn, key, value, slot: Slot | None) -> list[str]:
     where = f"state {fqn!r}[{key!r}]"
     if isinstance(value, torch.Tensor):
@@ -173,7 +206,16 @@ def _check_entry(rec: ParamRecord, entry: Any, live: dict | None) -> list[str]:
             except StateLayoutError as exc:
                 out.append(str(exc))
                 continue
-        if (slot is not None and slot.kind == "t") or (
+        if (slot is not None and slot.kind == "r") or (
+            slot is None
+            and isinstance(value, DTensor)
+            and value.dim() > 0
+            and value.shape != rec.param.shape
+        ):
+            out += _check_own_layout(
+                rec.fqn, key, value, lv if slot is not None else None, rec.param
+            )
+        elif (slot is not None and slot.kind == "t") or (
             slot is None and isinstance(value, DTensor) and value.dim() > 0
         ):
             out += _check_tensor(rec.fqn, key, value, lv, rec.param)

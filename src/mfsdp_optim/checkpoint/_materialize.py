@@ -4,9 +4,10 @@ Map: ``materialize_optimizer_state`` gives every param without state its state b
 class's own ``step`` once on ``scratch_copy``, a shallow copy stepping zero clones of those
 params (local shards of DTensors, aligned entries in ``_infra.group_lists``), then hands the
 state to the live optimizer with ``step`` reset to 0; the live params and hyperparameters are
-checked unchanged. Not for optimizers needing a closure or sparse grads (LBFGS, SparseAdam):
-pass ``init_state_fn``. Why not torch's lr=0 step: docs/concepts.md, "Inside the checkpoint
-layer".
+checked unchanged. Where that local step makes non-shard-shaped state or fails (whole-param
+classes such as Adafactor), the class steps a zero tensor of the param's global shape instead.
+Not for LBFGS or SparseAdam: pass ``init_state_fn``. Why not torch's lr=0 step:
+docs/concepts.md, "Inside the checkpoint layer".
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import copy
 from collections import OrderedDict, defaultdict
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from .._infra.group_lists import aligned_lists
-from .._infra.placement import as_stock_value
+from .._infra.placement import as_stock_value, in_layout_of
 
 __all__ = ["materialize_optimizer_state", "scratch_copy"]
 
@@ -85,6 +86,92 @@ def _as_stock(key: str, value: object, param: torch.Tensor, clone: torch.Tensor)
     return value
 
 
+def _scratch_step(
+    optimizer: torch.optim.Optimizer,
+    beside: list[tuple[str, list[list]]],
+    picks: list[list[tuple[int, torch.Tensor]]],
+) -> tuple[torch.optim.Optimizer, list[dict]]:
+    """A scratch copy of ``optimizer`` stepped once by its class on ``picks[gi]``: ``(position in
+    group gi, zero tensor)`` pairs, each given a zero grad; returns it and its param groups."""
+    scratch = scratch_copy(optimizer)
+    groups = []
+    scratch_beside: list[list[dict]] = [[] for _ in beside]
+    for gi, (g, picked) in enumerate(zip(optimizer.param_groups, picks, strict=True)):
+        if not picked:
+            continue
+        for _, c in picked:
+            c.grad = torch.zeros_like(c)
+        groups.append({**g, "params": [c for _, c in picked]})
+        for (_, lists), out in zip(beside, scratch_beside, strict=True):
+            out.append({"params": [_scratch_entry(lists[gi][j], c) for j, c in picked]})
+    scratch.param_groups = groups
+    for (attr, _), value in zip(beside, scratch_beside, strict=True):
+        setattr(scratch, attr, value)
+    try:
+        type(optimizer).step(scratch)  # the class's step: bypasses instance patches
+    except Exception as exc:
+        raise RuntimeError(
+            f"could not materialise the state of {type(optimizer).__name__} by stepping a "
+            f"scratch copy ({type(exc).__name__}: {exc}); pass init_state_fn= to create its "
+            "state instead"
+        ) from exc
+    return scratch, groups
+
+
+def _reads_whole(new: dict, local: torch.Tensor) -> bool:
+    """True when a step on ``local`` (a local shard's clone) created a tensor that is neither
+    shaped like it nor 0-d: state whose shape depends on the whole param (Adafactor's factors)."""
+    return any(
+        isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != local.shape for v in new.values()
+    )
+
+
+def _materialize_whole(
+    optimizer: torch.optim.Optimizer, beside: list[tuple[str, list[list]]], params: list[DTensor]
+) -> None:
+    """State for DTensor ``params`` whose state is not shaped like their local shards, laid out
+    as the wrapper's whole-param step keeps it (``optim._whole``): the class steps a zero clone
+    of the GLOBAL shape once per distinct (group, shape, dtype); parameter-shaped results become
+    this rank's piece in the param's layout (``distribute_tensor`` with ``src_data_rank=None``:
+    a local slice, no collective), other tensors Replicate DTensors on the param's mesh, 0-d
+    tensors and plain values stay as they are (``step`` 0). Purely local."""
+    position = {
+        id(p): (gi, j)
+        for gi, g in enumerate(optimizer.param_groups)
+        for j, p in enumerate(g["params"])
+    }
+    template: dict[tuple, torch.Tensor] = {}
+    picks: list[list[tuple[int, torch.Tensor]]] = [[] for _ in optimizer.param_groups]
+    key_of: dict[int, tuple] = {}
+    for p in params:
+        gi, j = position[id(p)]
+        key = (gi, tuple(p.shape), p.dtype)
+        key_of[id(p)] = key
+        if key not in template:
+            full = torch.zeros(p.shape, dtype=p.dtype, device=p._local_tensor.device)
+            template[key] = full
+            picks[gi].append((j, full))
+    with torch.no_grad():
+        scratch, _ = _scratch_step(optimizer, beside, picks)
+        for p in params:
+            full = template[key_of[id(p)]]
+            mesh, placements = p.device_mesh, p.placements
+            entry = {}
+            for k, v in (scratch.state.get(full) or {}).items():
+                if k == "step":
+                    entry[k] = _zero_step(v.clone() if isinstance(v, torch.Tensor) else v)
+                elif not isinstance(v, torch.Tensor) or v.dim() == 0:
+                    entry[k] = v.clone() if isinstance(v, torch.Tensor) else v
+                elif v.shape == p.shape and not isinstance(v, DTensor):
+                    piece = distribute_tensor(v, mesh, placements, src_data_rank=None)
+                    entry[k] = in_layout_of(piece._local_tensor.clone(), p)
+                else:
+                    replicate = [Replicate()] * mesh.ndim
+                    entry[k] = DTensor.from_local(v.clone(), mesh, replicate, run_check=False)
+            if entry:
+                optimizer.state[p] = entry
+
+
 def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Give every param of ``optimizer`` that has no state the state its first step would create,
     with ``step`` = 0, leaving params, param groups and existing state untouched.
@@ -110,48 +197,45 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     before = _snapshot(optimizer)
 
     beside = aligned_lists(optimizer)
-    scratch = scratch_copy(optimizer)  # its param groups are replaced below
     origin: dict[int, torch.Tensor] = {}
     clones: list[torch.Tensor] = []
-    groups = []
-    scratch_beside: list[list[dict]] = [[] for _ in beside]
+    picks: list[list[tuple[int, torch.Tensor]]] = []
     with torch.no_grad():
-        for gi, g in enumerate(optimizer.param_groups):
-            params = []
-            entries: list[list] = [[] for _ in beside]
+        for g in optimizer.param_groups:
+            picked = []
             for j, p in enumerate(g["params"]):
                 if id(p) not in missing_ids:
                     continue
                 c = torch.zeros_like(_local(p))
-                c.grad = torch.zeros_like(c)
                 origin[id(c)] = p
                 clones.append(c)
-                params.append(c)
-                for (_, lists), out in zip(beside, entries, strict=True):
-                    out.append(_scratch_entry(lists[gi][j], c))
-            if params:
-                groups.append({**g, "params": params})
-                for out, lst in zip(scratch_beside, entries, strict=True):
-                    out.append({"params": lst})
-        scratch.param_groups = groups
-        for (attr, _), value in zip(beside, scratch_beside, strict=True):
-            setattr(scratch, attr, value)
+                picked.append((j, c))
+            picks.append(picked)
         try:
-            type(optimizer).step(scratch)  # the class's step: bypasses instance patches
-        except Exception as exc:
-            raise RuntimeError(
-                f"could not materialise the state of {type(optimizer).__name__} by stepping a "
-                f"scratch copy ({type(exc).__name__}: {exc}); pass init_state_fn= to create its "
-                "state instead"
-            ) from exc
+            scratch, groups = _scratch_step(optimizer, beside, picks)
+        except RuntimeError:
+            if not all(isinstance(p, DTensor) for p in missing):
+                raise
+            # e.g. Adafactor divides by the numel of an empty local shard: try whole params
+            scratch = None
+            groups = [
+                dict(g) for g, picked in zip(optimizer.param_groups, picks, strict=True) if picked
+            ]
+    whole: list[DTensor] = [p for p in missing if scratch is None]
+    local_state = scratch.state if scratch is not None else {}
     for c in clones:
-        new = scratch.state.get(c)
+        new = local_state.get(c)
         if not new:
             continue  # this optimizer keeps no state for it (SGD without momentum)
         p = origin[id(c)]
+        if isinstance(p, DTensor) and _reads_whole(new, c):
+            whole.append(p)
+            continue
         optimizer.state[p] = {
             k: (_zero_step(v) if k == "step" else _as_stock(k, v, p, c)) for k, v in new.items()
         }
+    if whole:
+        _materialize_whole(optimizer, beside, whole)
     # group-level step (apex / TE FusedAdam keep ``step`` in the group): materialise it as 0
     touched = [
         gi

@@ -16,8 +16,16 @@ import torch
 
 from .._infra.params import ParamRecord
 from ._engine import Engine
+from ._kinds import WHOLE_PARAM
 
 __all__ = ["build_state_dict", "load_state_dict"]
+
+
+def _held(engine: Engine, slot: Any) -> bool:
+    """Whether this rank's base optimizer holds state for ``slot``'s param: the whole-param step
+    gives every rank of a param's shard group its state (an empty piece included, and any of
+    them may own the update), so the empty-shard filter leaves nothing out there."""
+    return bool(slot.held) or engine.kind == WHOLE_PARAM
 
 
 def records_of(engine: Engine) -> list[ParamRecord]:
@@ -25,14 +33,17 @@ def records_of(engine: Engine) -> list[ParamRecord]:
     where the base optimizer steps it on this rank (None where the empty-shard filter leaves it
     out)."""
     engine.table.sync()
-    return [ParamRecord(s.fqn, s.param, s.param if s.held else None) for s in engine.table.slots]
+    return [
+        ParamRecord(s.fqn, s.param, s.param if _held(engine, s) else None)
+        for s in engine.table.slots
+    ]
 
 
 @contextmanager
 def _held_groups(engine: Engine) -> Iterator[None]:
     """With the empty-shard filter: the groups show only the params stepped on this rank, for
     the checkpoint layer (which creates state for every param it sees)."""
-    if all(s.held for s in engine.table.slots):
+    if all(_held(engine, s) for s in engine.table.slots):
         yield
         return
     groups = engine.optimizer.param_groups
