@@ -342,15 +342,8 @@ BAD = [
     (0, 0, "ns_coefficients", (3.4, -4.7), "TypeError", "['ns_coefficients'] is (3.4, -4.7)"),
 ]
 ARGS = ("which", "gi", "key", "value", "etype", "says")
-# A bad value in optimizers[1] is found after optimizers[0]'s grads were unscaled in place:
-# _step.prepare() collects engine by engine, and Engine.collect() checks the hyperparameters
-# (_engine.py, check_param_groups) and then unscales (preparer.unscale) before the next engine
-# is checked; the failed prepare drops the work grads without scaling them back. Stepping again
-# after fixing the value then divides optimizers[0]'s grads by the loss scale twice.
-_UNSCALED_FIRST = pytest.mark.xfail(
-    strict=True, reason="bug: optimizers[0]'s grads unscaled before optimizers[1] is checked"
-)
-BAD_AFTER = [pytest.param(*b, marks=_UNSCALED_FIRST) if b[0] == 1 else b for b in BAD]
+# every engine is checked before any grad is unscaled (a failed prepare changes no grad)
+BAD_AFTER = BAD
 
 
 @pytest.mark.parametrize(ARGS, BAD, ids=repr)
@@ -378,7 +371,6 @@ def test_bad_hyperparameter_leaves_the_grads_and_the_retry_exact(
         _close(params, ref, f"rank {rank}: after the fixed step, param")
 
 
-@pytest.mark.xfail(strict=True, reason="the message names the group, not the base optimizer")
 def test_bad_hyperparameter_names_the_base_optimizer(ranks):
     """With several base optimizers, 'param_groups[1]' alone is ambiguous (wrapper.param_groups
     flattens them: its [1] is optimizers[1].param_groups[0] here); the message should say which
@@ -462,7 +454,6 @@ def test_lr_schedulers_on_the_chain(ranks, mode):
         assert ref_lrs[-1] == [v * 0.5**STEPS for v in (0.02, 0.01, 0.02)]
 
 
-@pytest.mark.xfail(strict=True, reason="the wrapper steps Muon without calling Muon.step()")
 def test_base_optimizer_step_runs_for_muon(ranks):
     """Muon's own step() never runs under the wrapper (``_whole/_muon.py`` computes its update
     directly; the generic path calls step() on every rank): its step hooks do not fire, and a

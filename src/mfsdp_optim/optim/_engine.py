@@ -37,8 +37,10 @@ class Engine:
         optimizer: torch.optim.Optimizer,
         model_chunks: Sequence[torch.nn.Module],
         config: OptimizerConfig,
+        name: str = "",
     ):
         self.optimizer = optimizer
+        self.name = name  # "optimizers[i]" where the wrapper has several, for messages
         # host_sync=False: create a first step's state up front, so the fast step (and its
         # device-side skip) runs from the first step instead of a host read deciding it
         self.state_first = not config.host_sync
@@ -68,13 +70,22 @@ class Engine:
 
     # ------------------------------------------------------------------------------ prepare
 
-    def collect(self, inv_scale_on: Any) -> Buckets:
-        """Validate, pick the route, set each slot's work grad and bucket the local shards;
-        unscale them by ``inv_scale_on`` (a grad scaler's, or None). Collective-free."""
+    def check(self) -> None:
+        """Validate the param table and the hyperparameters (before any engine changes a
+        grad); errors name the base optimizer where there are several."""
         if self.table.sync():
             self.invalidate()
+        try:
+            check_param_groups(self.optimizer.param_groups, self.optimizer.defaults)
+        except (TypeError, ValueError) as exc:
+            if not self.name:
+                raise
+            raise type(exc)(f"{self.name}.{exc}") from None
+
+    def collect(self) -> Buckets:
+        """Pick the route, set each slot's work grad and bucket the local shards (after
+        ``check()``). Collective-free; grads are not changed (``unscale`` does that)."""
         opt = self.optimizer
-        check_param_groups(opt.param_groups, opt.defaults)
         route = route_of(opt, precision_aware=self.precision_aware)
         if self.kind == WHOLE_PARAM:
             route = Route(False, False)
@@ -98,8 +109,6 @@ class Engine:
         if token is not None and trust and not self.preparer.replayed and not self.fast.locals_ok():
             self.fast.invalidate()  # a local tensor was replaced: generic now, rebuilt next
             self.fast_token = None
-        if inv_scale_on is not None:
-            self.preparer.unscale(inv_scale_on, buckets)
         return buckets
 
     def _create_first_state(self) -> None:
@@ -156,8 +165,15 @@ class Engine:
     def _whole_step(self) -> None:
         """Each param's update computed on the whole param (``_whole``), its work grad bound as
         ``.grad`` for the call (a cast copy in the param's dtype where the grad's differed)."""
-        from ._whole import step_whole_params
+        from ._whole import recipe_for, step_whole_params
 
+        opt = self.optimizer
+        # a recipe that computes the update itself (Muon's) never calls the class's step():
+        # its hooks and a scheduler's step counter see one step, as the generic path's call does
+        emulate = recipe_for(opt) != "generic"
+        if emulate:
+            for pre in list(opt._optimizer_step_pre_hooks.values()):
+                pre(opt, (), {})
         slots = [s for s in self.table.slots if s.work_grad is not None]
         swapped = [s for s in slots if s.saved_grad is not None]
         for s in swapped:
@@ -173,6 +189,12 @@ class Engine:
         finally:
             for s in swapped:
                 s.param.grad = s.saved_grad
+        if emulate:
+            # what the step() wrapper of torch's LRScheduler records when step() runs
+            if getattr(vars(opt).get("step"), "_wrapped_by_lr_sched", False):
+                opt._opt_called = True  # type: ignore[attr-defined]
+            for post in list(opt._optimizer_step_post_hooks.values()):
+                post(opt, (), {})
 
     def drop_fast(self) -> None:
         """Forget the grads collected for the fast step."""

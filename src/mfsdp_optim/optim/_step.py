@@ -93,8 +93,16 @@ def prepare(
     On an error every engine's work grads are dropped and it is raised after the collective."""
     buckets: Buckets | Exception
     try:
-        buckets = merge_buckets([e.collect(inv_scale_on) for e in engines])
+        for e in engines:  # every engine validated before any grad is changed
+            e.check()
+        parts = [e.collect() for e in engines]
+        if inv_scale_on is not None:
+            for e, part in zip(engines, parts, strict=True):
+                e.preparer.unscale(inv_scale_on, part)
+        buckets = merge_buckets(parts)
     except Exception as exc:  # joins the collective, so no rank waits, then raises
+        for e in engines:
+            e.drop()
         buckets = exc
     in_group = engines[0].table.in_stats_group
     kw: dict[str, Any] = dict(norm_type=norm_type, count_zeros=count_zeros, group=group)

@@ -58,7 +58,10 @@ class OptimizerSurface(torch.optim.Optimizer):
         self.config = config if config is not None else OptimizerConfig()
         self.grad_scaler = grad_scaler
         self.model_chunks = list(model_chunks)
-        self._engines = [Engine(o, self.model_chunks, self.config) for o in bases]
+        names = [f"optimizers[{i}]" if len(bases) > 1 else "" for i in range(len(bases))]
+        self._engines = [
+            Engine(o, self.model_chunks, self.config, n) for o, n in zip(bases, names, strict=True)
+        ]
         _check_disjoint(self._engines)
 
     # ------------------------------------------------------------------------------------------
