@@ -71,7 +71,7 @@ CATALOGUE = {
     "C2 mismatched mesh/placements": ("StateDictMismatchError", "layout"),
     "C3 wrong global shape": ("StateDictMismatchError", "global shape (10, 9)"),
     "C4 unknown state shape (factored)": ("KeyspaceError", "neither the local shard's shape"),
-    "C5 DTensor state of another shape": ("KeyspaceError", "only parameter-shaped state"),
+    "C5 Partial DTensor state of another shape": ("KeyspaceError", "Partial placement"),
     "C6 non-plain hyperparameter": ("KeyspaceError", "checkpoints hold only bool"),
     "C7 state value of unknown type": ("KeyspaceError", "expected a tensor or a plain value"),
     "C8 ranks hold different state keys": ("KeyspaceError", "different state keys"),
@@ -366,11 +366,11 @@ def _cases(root):  # noqa: C901 - one flat list of small cases
         "C4 unknown state shape (factored)": lambda: odd_state(
             lambda r: torch.ones(r.param._local_tensor.shape[0] + 1)
         ),
-        "C5 DTensor state of another shape": lambda: odd_state(
+        "C5 Partial DTensor state of another shape": lambda: odd_state(
             lambda r: DTensor.from_local(
-                torch.ones(1),
+                torch.ones(4),
                 r.param.device_mesh,
-                (Shard(0),),
+                (Partial(),),
                 run_check=False,
                 shape=(4,),
                 stride=(1,),
