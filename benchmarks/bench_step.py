@@ -16,7 +16,9 @@ shape sets: 3000 x (512 x 256) and 300 x (4096 x 1024). For each it times
                grads, against its own floor (every grad read once: 4 bytes per element),
 
 and the floor: 28 bytes/param (AdamW reads p, g, m, v and writes p, m, v in fp32) over the
-measured device copy bandwidth. All contenders are built first and timed in rounds, one call of
+measured device copy bandwidth. All contenders are built first (``--one-at-a-time``, the default
+with ``--model``: each is built beside bare, timed with it and freed, so a large model fits one
+card; its ratios are then against the bare time of its own rounds) and timed in rounds, one call of
 each per round with the order rotating, so a slow spell of the host hits them alike (the host
 of the device machine varies up to 2x between minutes); the median per contender is reported.
 GPU timings use CUDA events; CPU timings use perf_counter.
@@ -56,6 +58,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -138,6 +141,97 @@ def _interleaved(device: torch.device, fns: dict, warmup: int, iters: int) -> di
         for k in names[r % len(names) :] + names[: r % len(names)]:
             times[k].append(_time_once(device, fns[k]))
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _factories(shapes, device, mesh, kw, base_opt, args, other, triton_row, apex, with_clip):
+    """Each contender but bare as a builder: () -> (step fn, wrapper or None, tensors to check).
+    The wrapper rows: the default (the Triton update for fused groups on CUDA) and, where that
+    differs, torch's kernel (the bit-exact path); then the compared copy's."""
+    import mfsdp_optim.optim as this
+
+    def make(seed, dtensors=True):
+        return _make_shapes(shapes, device, mesh, seed, dtensors)
+
+    def wrapper(pkg, extra):
+        def build():
+            ps = make(2)[1]
+            w = pkg.FullyShardedOptimizer(
+                base_opt(ps, kw), pkg.OptimizerConfig(clip_grad=args.clip, **extra)
+            )
+            return w.step, w, []
+
+        return build
+
+    def stock():
+        dp = make(1)[1]
+        return torch.optim.AdamW(dp, **kw).step, None, dp
+
+    def stats():
+        from mfsdp_optim.stats import grad_stats
+
+        gs = [q.grad for q in make(4)[1]]
+        return (lambda: grad_stats(gs)), None, []
+
+    def clip():
+        cl = make(3, dtensors=False)[0]
+        return _bare_clip(base_opt(cl, kw), cl, args.clip), None, cl
+
+    out: dict[str, Callable[[], tuple]] = {} if apex else {"stock": stock}
+    extras: dict[str, dict] = {"wrap": {} if not args.no_triton else _TORCH_KERNEL}
+    if triton_row:
+        extras["wrap-torch"] = _TORCH_KERNEL
+    for name, extra in extras.items():
+        out[name] = wrapper(this, extra)
+    if args.grad_stats:
+        out["grad_stats"] = stats
+    for name, extra in list(extras.items()) if other is not None else ():
+        if name == "wrap" and triton_row:  # the same kernel as this default, by name
+            extra = {"triton_adam_step": True}
+        out[f"{name}[{other.__name__}]"] = wrapper(other, extra)
+    if with_clip:
+        out["bare+clip"] = clip
+    return out
+
+
+def _note(name, w) -> str:
+    tri = _triton_of(w)
+    extra = (
+        f", {tri.launches} triton launches, {tri.builds} table builds"
+        if tri and tri.launches
+        else ""
+    )
+    return f"{name}: {w.fast_steps} fast steps, {w.clip_folds} clip folds{extra}"
+
+
+def _time_contenders(device, bare, factories, warmup, iters, one_at_a_time, check):
+    """Median ms per call of ``bare`` and of each factory's step, each one's bare time, and the
+    wrappers' notes; ``check(tensors, holders)`` runs on what each contender left.
+
+    Together (default): every contender built first, all timed in the same rounds. One at a
+    time: each contender built beside ``bare``, the two timed in rounds, checked, then freed
+    before the next is built, so only two copies of the tensors live at once (a large model on
+    one card); each ratio is then against the bare time of its own rounds."""
+    t: dict[str, float] = {}
+    pair: dict[str, float] = {}
+    notes: list[str] = []
+    groups = [list(factories)] if not one_at_a_time else [[n] for n in factories]
+    bares = []
+    for names in groups:
+        made = {n: factories[n]() for n in names}
+        got = _interleaved(
+            device, {"bare": bare, **{n: m[0] for n, m in made.items()}}, warmup, iters
+        )
+        bares.append(got["bare"])
+        for n in names:
+            t[n], pair[n] = got[n], got["bare"]
+        holders = {n: m[1] for n, m in made.items() if m[1] is not None}
+        check([x for m in made.values() for x in m[2]], holders)
+        notes += [_note(n, w) for n, w in holders.items()]
+        del made, holders
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    t["bare"] = pair["bare"] = statistics.median(bares)
+    return t, pair, notes
 
 
 def _copy_bandwidth(device: torch.device, nbytes: int) -> float:
@@ -266,6 +360,13 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1.0, help="row multiplier per param")
     ap.add_argument("--count-scale", type=float, default=1.0, help="param count multiplier")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument(
+        "--one-at-a-time",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="build and time each contender beside bare, then free it (two copies of the "
+        "tensors at once; the default with --model, so a large model fits one card)",
+    )
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument(
         "--back-to-back",
@@ -328,6 +429,8 @@ def main() -> None:
         help="the base optimizer (apex_fused_adam: apex.optimizers.FusedAdam)",
     )
     args = ap.parse_args()
+    if args.one_at_a_time is None:
+        args.one_at_a_time = args.model is not None
     global _BACK_TO_BACK
     if args.back_to_back < 1:
         ap.error(f"--back-to-back must be >= 1, got {args.back_to_back}")
@@ -343,8 +446,6 @@ def main() -> None:
         if apex:
             return FusedAdam(params, lr=kw["lr"], weight_decay=kw["weight_decay"], adam_w_mode=True)
         return torch.optim.AdamW(params, **kw)
-
-    from mfsdp_optim.optim import FullyShardedOptimizer, OptimizerConfig
 
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -383,52 +484,23 @@ def main() -> None:
         for mode in args.modes.split(","):
             kw = {"lr": 1e-3, "weight_decay": 0.01, **({} if apex else {mode: True})}
             locals_, _ = _make_shapes(shapes, device, mesh, 0, dtensors=False)
-            contenders = {"bare": base_opt(locals_, kw).step}
-            stock = dparams = None
-            if not apex:
-                _, dparams = _make_shapes(shapes, device, mesh, 1)
-                stock = torch.optim.AdamW(dparams, **kw)
-                contenders["stock"] = stock.step
-            wrappers = {}
-            # the wrapper rows and their config: the default (the Triton update for fused
-            # groups on CUDA) and, where that differs, torch's kernel (the bit-exact path)
+            bare_step = base_opt(locals_, kw).step
             triton_row = mode == "fused" and device.type == "cuda" and not args.no_triton
-            extras: dict[str, dict] = {"wrap": {} if not args.no_triton else _TORCH_KERNEL}
-            if triton_row:
-                extras["wrap-torch"] = _TORCH_KERNEL
-            for name, extra in extras.items():
-                _, params = _make_shapes(shapes, device, mesh, 2)
-                wrappers[name] = FullyShardedOptimizer(
-                    base_opt(params, kw), OptimizerConfig(clip_grad=args.clip, **extra)
-                )
-                contenders[name] = wrappers[name].step
-            stats_grads = None
-            if args.grad_stats:
-                from mfsdp_optim.stats import grad_stats
-
-                _, sp = _make_shapes(shapes, device, mesh, 4)
-                stats_grads = [q.grad for q in sp]
-                contenders["grad_stats"] = lambda gs=stats_grads: grad_stats(gs)
-            for name, extra in list(extras.items()) if other is not None else ():
-                _, params = _make_shapes(shapes, device, mesh, 2)
-                if name == "wrap" and triton_row:  # the same kernel as this default, by name
-                    extra = {"triton_adam_step": True}
-                name = f"{name}[{other.__name__}]"
-                wrappers[name] = other.FullyShardedOptimizer(
-                    base_opt(params, kw), other.OptimizerConfig(clip_grad=args.clip, **extra)
-                )
-                contenders[name] = wrappers[name].step
-            clip_locals = None
-            if with_clip:
-                clip_locals, _ = _make_shapes(shapes, device, mesh, 3, dtensors=False)
-                contenders["bare+clip"] = _bare_clip(
-                    base_opt(clip_locals, kw), clip_locals, args.clip
-                )
-            t = _interleaved(device, contenders, args.warmup, args.iters)
-            a = t["bare"]
+            factories = _factories(
+                shapes, device, mesh, kw, base_opt, args, other, triton_row, apex, with_clip
+            )
+            t, pair_bare, notes = _time_contenders(
+                device,
+                bare_step,
+                factories,
+                args.warmup,
+                args.iters,
+                args.one_at_a_time,
+                lambda ts, ws, lb=label, md=mode, lc=locals_: _check_finite(lb, md, lc + ts, ws),
+            )
             cells = " ".join(
-                f"{k} {t[k]:.2f} ms ({t[k] / a:.2f}x bare, {t[k] / floor_ms:.2f}x floor)"
-                for k in contenders
+                f"{k} {t[k]:.2f} ms ({t[k] / pair_bare[k]:.2f}x bare, {t[k] / floor_ms:.2f}x floor)"
+                for k in ["bare", *factories]
                 if k != "grad_stats"
             )
             if "grad_stats" in t:  # its own floor: every grad read once, 4 bytes per element
@@ -437,32 +509,24 @@ def main() -> None:
                     f" grad_stats {t['grad_stats']:.3f} ms ({t['grad_stats'] / stats_floor:.2f}x"
                     f" its floor {stats_floor:.3f} ms)"
                 )
-            notes = ", ".join(
-                f"{k}: {w.fast_steps} fast steps, {w.clip_folds} clip folds"
-                + (
-                    f", {tri.launches} triton launches, {tri.builds} table builds"
-                    if (tri := _triton_of(w)) and tri.launches
-                    else ""
-                )
-                for k, w in wrappers.items()
-            )
-            print(f"{label} {mode}: floor {floor_ms:.2f} ms | {cells} | {notes}")
+            print(f"{label} {mode}: floor {floor_ms:.2f} ms | {cells} | {', '.join(notes)}")
             if with_clip:
                 c = t["bare+clip"]
                 print(
                     f"{label} {mode} over bare+clip ({c:.2f} ms, clip {args.clip:g}): "
                     + ", ".join(
-                        f"{k}/bare+clip {t[k] / c:.3f}" for k in contenders if k != "bare+clip"
+                        f"{k}/bare+clip {t[k] / c:.3f}"
+                        for k in ["bare", *factories]
+                        if k != "bare+clip"
                     )
                 )
-            _check_finite(label, mode, locals_ + (clip_locals or []) + (dparams or []), wrappers)
             if args.check_cost:
                 _check_cost(locals_)
-            if args.profile:
-                for k in contenders:
-                    if k in wrappers or k == "grad_stats":
-                        _profile(contenders[k], f"{label} {mode} {k}", device)
-            del contenders, wrappers, stock, dparams, locals_, clip_locals, stats_grads
+            if args.profile:  # each wrapper (and grad_stats) built again, one at a time
+                for k, make in factories.items():
+                    if k.startswith("wrap") or k == "grad_stats":
+                        _profile(make()[0], f"{label} {mode} {k}", device)
+            del locals_, bare_step, factories
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     dist.destroy_process_group()
