@@ -8,6 +8,7 @@ kernels on the same values).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 
@@ -54,3 +55,30 @@ def test_invalidate_drops_every_cache_and_the_next_step_rebuilds(ranks):
     assert built[5:] == [(True, True)] * 2, built  # rebuilt by the next step
     assert fast_steps == 5  # the first step creates the state through the base step
     assert same, "the trajectory left stock fused AdamW's"
+
+
+def _rank_clear_all():
+    import torch.distributed as dist
+    from _layouts import get_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from mfsdp_optim.optim import FullyShardedOptimizer
+    from mfsdp_optim.stats import _buckets
+
+    mesh = get_mesh((dist.get_world_size(),))
+    p = torch.nn.Parameter(DTensor.from_local(torch.ones(4, 2), mesh, [Shard(0)]))
+    opt = FullyShardedOptimizer(torch.optim.SGD([p], lr=0.1))
+    p.grad = DTensor.from_local(torch.full((4, 2), 2.0), mesh, [Shard(0)])
+    norm_before = opt.step()[1]
+    filled = bool(_buckets._LAYOUT_BY_SPEC)
+    opt.invalidate_caches()
+    emptied = not _buckets._LAYOUT_BY_SPEC and not _buckets._LAST_PARTS
+    norm_after = opt.step()[1]
+    return filled, emptied, norm_before, norm_after, p._local_tensor.clone()
+
+
+def test_invalidate_caches_also_drops_the_stats_layer_caches(ranks):
+    [(filled, emptied, before, after, local)] = ranks(1).run(_rank_clear_all)
+    assert filled and emptied
+    assert before == after == pytest.approx(32**0.5)  # ||2 * ones(4, 2)||, again after the clear
+    assert torch.equal(local, torch.full((4, 2), 1.0 - 2 * 0.1 * 2.0))

@@ -2,6 +2,7 @@
 
 Map: ``placement`` facts read from DTensor specs; ``comm`` collective plumbing and host reads;
 ``agreement`` the one "validate, agree, then act" protocol; ``params`` how params are named and
-described; ``group_lists`` lists kept beside param groups; ``device_table`` and ``kernels`` the
-Triton kernels' argument tables and shared device helpers. Imports nothing from the layers.
+described; ``caches`` every module-level cache, dropped by one ``clear_all()``; ``group_lists``
+lists kept beside param groups; ``device_table`` and ``kernels`` the Triton kernels' argument
+tables and shared device helpers. Imports nothing from the layers.
 """

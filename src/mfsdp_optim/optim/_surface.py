@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from .._infra.caches import clear_all
 from . import _checkpointing
 from ._config import OptimizerConfig
 from ._engine import Engine
@@ -143,6 +144,7 @@ class OptimizerSurface(torch.optim.Optimizer):
         this after replacing a value inside ``optimizer.state[p]`` by hand."""
         for e in self._engines:
             e.invalidate()
+        clear_all()  # the stats layer's module-level caches (``_infra.caches``)
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(

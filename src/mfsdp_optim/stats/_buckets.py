@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .._infra.caches import register
 from .._infra.placement import LayoutInfo, layout_info, mesh_ranks_outside_group, require_dtensor
 
 __all__ = ["BucketKey", "Buckets", "bucket_local_shards", "layout_of"]
@@ -110,6 +111,12 @@ _PARTS: dict[tuple[int, bool], tuple[int, bool]] = {}
 # are held, so an identity match names the very objects that were validated.
 _LAST_PARTS: dict[int, tuple[list[object], list[tuple[int, bool]]]] = {}
 _LAYOUT_CACHE_SIZE = 1 << 14
+
+
+@register
+def _clear() -> None:
+    for cache in (_LAYOUT_BY_SPEC, _PARTS, _LAST_PARTS):
+        cache.clear()
 
 
 def _checked_layout(grad: object, what: str, group: dist.ProcessGroup | None) -> LayoutInfo:

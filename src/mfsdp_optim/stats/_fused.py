@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .._infra.caches import register
 from .._infra.device_table import DeviceTable, addresses, same_addresses
 from .._infra.kernels import device_helpers, element_offsets, sm_count_of
 
@@ -43,6 +44,7 @@ _state: dict[str, Any] = {"triton": None, "kernel": None, "failed": False}
 _table_cache: OrderedDict[tuple, StatsTable] = OrderedDict()
 _workspaces: dict[tuple[int, int], dict[str, Any]] = {}
 _programs_per_sm: dict[tuple, int] = {}
+register(_table_cache.clear)
 
 
 def _env_disabled() -> bool:
