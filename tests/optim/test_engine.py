@@ -82,3 +82,41 @@ def test_invalidate_caches_also_drops_the_stats_layer_caches(ranks):
     assert filled and emptied
     assert before == after == pytest.approx(32**0.5)  # ||2 * ones(4, 2)||, again after the clear
     assert torch.equal(local, torch.full((4, 2), 1.0 - 2 * 0.1 * 2.0))
+
+
+def _rank_late_bad_value():
+    import torch.distributed as dist
+    from _layouts import get_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from mfsdp_optim.optim import FullyShardedOptimizer
+
+    mesh = get_mesh((dist.get_world_size(),))
+    p = torch.nn.Parameter(DTensor.from_local(torch.ones(4, 2), mesh, [Shard(0)]))
+    opt = FullyShardedOptimizer(torch.optim.AdamW([p], lr=0.1, betas=[0.9, 0.99]))
+    out = []
+    for bad in ("lr", "betas"):
+        for _ in range(3):  # steady: the check of unchanged values is skipped
+            p.grad = DTensor.from_local(torch.ones(4, 2), mesh, [Shard(0)])
+            opt.step()
+        group = opt.param_groups[0]
+        if bad == "lr":
+            group["lr"] = float("nan")
+        else:
+            group["betas"][1] = 1.5  # a list changed in place: still seen
+        before = p._local_tensor.clone()
+        try:
+            opt.step()
+            out.append(None)
+        except ValueError as exc:
+            out.append((str(exc), torch.equal(before, p._local_tensor)))
+        group["lr"], group["betas"] = 0.1, [0.9, 0.99]
+        opt.zero_grad()
+    return out
+
+
+def test_a_value_changed_after_steady_steps_is_still_checked(ranks):
+    [out] = ranks(1).run(_rank_late_bad_value)
+    (lr_msg, lr_kept), (betas_msg, betas_kept) = out
+    assert "param_groups[0]['lr']" in lr_msg and lr_kept
+    assert "param_groups[0]['betas'][1]" in betas_msg and betas_kept

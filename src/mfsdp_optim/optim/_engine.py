@@ -10,6 +10,7 @@ runs is the engine's *route*, chosen per step from the class's update kind (``_k
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,6 +62,7 @@ class Engine:
         self.fast_token: object | None = None  # the fast cache this step's grads were put in
         self.fast_steps = 0
         self.clip_folds = 0
+        self._checked: list[tuple | None] = []  # the group values the last check passed
 
     def invalidate(self) -> None:
         """Drop every cached view, list and kernel table (rebuilt at the next step)."""
@@ -75,12 +77,27 @@ class Engine:
         grad); errors name the base optimizer where there are several."""
         if self.table.sync():
             self.invalidate()
+        groups = self.optimizer.param_groups
+        # the values checked last time, compared by identity (immutable values only: a list or
+        # a tensor may change in place): a steady step checks nothing again
+        seen = [_frozen_values(g) for g in groups]
+        last = self._checked
+        if (
+            len(last) == len(seen)
+            and None not in seen
+            and all(
+                len(a) == len(b) and all(map(operator.is_, a, b))  # type: ignore[arg-type]
+                for a, b in zip(last, seen, strict=True)
+            )
+        ):
+            return
         try:
-            check_param_groups(self.optimizer.param_groups, self.optimizer.defaults)
+            check_param_groups(groups, self.optimizer.defaults)
         except (TypeError, ValueError) as exc:
             if not self.name:
                 raise
             raise type(exc)(f"{self.name}.{exc}") from None
+        self._checked = seen
 
     def collect(self) -> Buckets:
         """Pick the route, set each slot's work grad and bucket the local shards (after
@@ -210,6 +227,15 @@ class Engine:
         """A skipped step: restore cast grads, run nothing."""
         self.drop_fast()
         self.preparer.restore(self.table.slots)
+
+
+_MUTABLE = (list, dict, set, bytearray, torch.Tensor)
+
+
+def _frozen_values(group: dict[str, Any]) -> tuple | None:
+    """The group's hyperparameter values, or None when one may change in place."""
+    values = tuple(v for k, v in group.items() if k != "params")
+    return None if any(isinstance(v, _MUTABLE) for v in values) else values
 
 
 def merge_buckets(parts: list[Buckets]) -> Buckets:
