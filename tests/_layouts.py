@@ -63,6 +63,17 @@ def stripes(spec: GradSpec) -> list[tuple[int, ...]]:
     return list(itertools.product(*(range(spec.mesh_shape[d]) for d in spec.stripe_dims)))
 
 
+def stripe_of(rank: int, spec: GradSpec) -> tuple[int, ...]:
+    """The stripe that global rank ``rank`` holds a piece of (row-major mesh coordinates, as
+    ``init_device_mesh`` lays ranks out, restricted to the stripe dims)."""
+    coord, rest = [], rank
+    for size in reversed(spec.mesh_shape):
+        coord.append(rest % size)
+        rest //= size
+    coord.reverse()
+    return tuple(coord[d] for d in spec.stripe_dims)
+
+
 def all_global_tensors(specs: list[GradSpec]) -> list[torch.Tensor]:
     return [global_tensor(s, st) for s in specs for st in stripes(s)]
 
@@ -259,3 +270,26 @@ def grad_specs(
         return spec
 
     return build()
+
+
+_S, _R = PlacementSpec("S", 0), PlacementSpec("R")
+# four named 4-rank layouts of 2-D params (Muon takes them all), for the optimizer tests
+OPTIMIZER_LAYOUTS = {
+    "1d-uneven-empty": [
+        GradSpec((5, 3), (4,), (0,), (_S,)),  # 2, 2, 1, 0 rows
+        GradSpec((2, 6), (4,), (0,), (_S,)),  # two ranks empty
+        GradSpec((9, 4), (4,), (0,), (_S,)),
+    ],
+    "hsdp-2x2": [
+        GradSpec((6, 4), (2, 2), (0, 1), (_R, _S)),
+        GradSpec((3, 5), (2, 2), (0, 1), (_R, _S)),
+    ],
+    "2d-shard-shard": [
+        GradSpec((6, 5), (2, 2), (0, 1), (_S, PlacementSpec("S", 1))),
+        GradSpec((4, 4), (2, 2), (0, 1), (_S, PlacementSpec("S", 1))),
+    ],
+    "dense+expert": [
+        GradSpec((8, 3), (2, 2), (0, 1), (_S, _R)),  # dense over all 4 ranks
+        GradSpec((6, 4), (2, 2), (1,), (_S,)),  # an expert per stripe of mesh dim 0
+    ],
+}

@@ -15,29 +15,10 @@ import dataclasses
 
 import pytest
 import torch
-from _layouts import GradSpec, PlacementSpec, global_tensor, stripes
+from _layouts import OPTIMIZER_LAYOUTS, global_tensor, stripe_of, stripes
 
-S, R = PlacementSpec("S", 0), PlacementSpec("R")
 # (shape, mesh, used dims, placements): every param of a layout is 2-D so Muon takes them all
-LAYOUTS = {
-    "1d-uneven-empty": [
-        GradSpec((5, 3), (4,), (0,), (S,)),  # 2, 2, 1, 0 rows
-        GradSpec((2, 6), (4,), (0,), (S,)),  # two ranks empty
-        GradSpec((9, 4), (4,), (0,), (S,)),
-    ],
-    "hsdp-2x2": [
-        GradSpec((6, 4), (2, 2), (0, 1), (R, S)),
-        GradSpec((3, 5), (2, 2), (0, 1), (R, S)),
-    ],
-    "2d-shard-shard": [
-        GradSpec((6, 5), (2, 2), (0, 1), (S, PlacementSpec("S", 1))),
-        GradSpec((4, 4), (2, 2), (0, 1), (S, PlacementSpec("S", 1))),
-    ],
-    "dense+expert": [
-        GradSpec((8, 3), (2, 2), (0, 1), (S, R)),  # dense over all 4 ranks (rows over dim 0)
-        GradSpec((6, 4), (2, 2), (1,), (S,)),  # an expert per stripe of mesh dim 0
-    ],
-}
+LAYOUTS = OPTIMIZER_LAYOUTS
 ELEMENTWISE = {
     "SGD": dict(lr=0.1, momentum=0.9),
     "Adam": dict(lr=0.01),
@@ -96,19 +77,10 @@ def _reference(specs, name, kw, steps=STEPS):
     return out
 
 
-def _stripe_of(rank, spec):
-    coord, rest = [], rank
-    for size in reversed(spec.mesh_shape):
-        coord.append(rest % size)
-        rest //= size
-    coord.reverse()
-    return tuple(coord[d] for d in spec.stripe_dims)
-
-
 def _check(results, specs, ref, exact):
     for rank, (params, states) in enumerate(results):
         for i, spec in enumerate(specs):
-            want_p, want_s = ref[(i, _stripe_of(rank, spec))]
+            want_p, want_s = ref[(i, stripe_of(rank, spec))]
             where = f"rank {rank}, param {i}"
             if exact:
                 assert torch.equal(params[i], want_p), f"{where}: params differ"

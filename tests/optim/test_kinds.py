@@ -19,28 +19,10 @@ import warnings
 
 import pytest
 import torch
-from _layouts import GradSpec, PlacementSpec, global_tensor, stripes
+from _layouts import OPTIMIZER_LAYOUTS, GradSpec, PlacementSpec, global_tensor, stripe_of, stripes
 
-S, R = PlacementSpec("S", 0), PlacementSpec("R")
-LAYOUTS = {
-    "1d-uneven-empty": [
-        GradSpec((5, 3), (4,), (0,), (S,)),  # 2, 2, 1, 0 rows
-        GradSpec((2, 6), (4,), (0,), (S,)),  # two ranks empty
-        GradSpec((9, 4), (4,), (0,), (S,)),
-    ],
-    "hsdp-2x2": [
-        GradSpec((6, 4), (2, 2), (0, 1), (R, S)),
-        GradSpec((3, 5), (2, 2), (0, 1), (R, S)),
-    ],
-    "2d-shard-shard": [
-        GradSpec((6, 5), (2, 2), (0, 1), (S, PlacementSpec("S", 1))),
-        GradSpec((4, 4), (2, 2), (0, 1), (S, PlacementSpec("S", 1))),
-    ],
-    "dense+expert": [
-        GradSpec((8, 3), (2, 2), (0, 1), (S, R)),  # dense over all 4 ranks
-        GradSpec((6, 4), (2, 2), (1,), (S,)),  # an expert per stripe of mesh dim 0
-    ],
-}
+S = PlacementSpec("S", 0)
+LAYOUTS = OPTIMIZER_LAYOUTS
 # the chain's params: 1-D over 4 ranks (uneven and empty shards), all 2-D so Muon takes any
 CHAIN = LAYOUTS["1d-uneven-empty"] + [GradSpec((4, 4), (4,), (0,), (S,))]
 MUON = dict(lr=0.02, momentum=0.9, weight_decay=0.01)
@@ -81,15 +63,6 @@ CUSTOM = {"NormSGD": NormSGD, "SignSGD": SignSGD}
 
 def _seeded(specs, salt):
     return [dataclasses.replace(s, seed=1000 * i + salt) for i, s in enumerate(specs)]
-
-
-def _stripe_of(rank, spec):
-    coord, rest = [], rank
-    for size in reversed(spec.mesh_shape):
-        coord.append(rest % size)
-        rest //= size
-    coord.reverse()
-    return tuple(coord[d] for d in spec.stripe_dims)
 
 
 def _dparams(specs):
@@ -147,7 +120,7 @@ def _custom_reference(specs, name):
 def _check_exact(results, specs, ref):
     for rank, (params, _) in enumerate(results):
         for i, spec in enumerate(specs):
-            want = ref[(i, _stripe_of(rank, spec))]
+            want = ref[(i, stripe_of(rank, spec))]
             assert torch.equal(params[i], want), f"rank {rank}, param {i}: params differ"
 
 

@@ -17,7 +17,7 @@ import math
 
 import pytest
 import torch
-from _layouts import global_tensor, grad_specs, mesh_shapes, stripes
+from _layouts import global_tensor, grad_specs, mesh_shapes, stripe_of, stripes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -97,15 +97,6 @@ def _reference(specs, opt_name, mode, clip, norm_type):
     return norms, params
 
 
-def _stripe_of(rank: int, spec) -> tuple[int, ...]:
-    coord, rest = [], rank
-    for size in reversed(spec.mesh_shape):  # row-major, as init_device_mesh lays ranks out
-        coord.append(rest % size)
-        rest //= size
-    coord.reverse()
-    return tuple(coord[d] for d in spec.stripe_dims)
-
-
 @st.composite
 def cases(draw):
     world = draw(st.sampled_from([1, 2, 4, 8]))
@@ -135,7 +126,7 @@ def _check(results, specs, reference):
         assert norms == results[0][0], f"rank {rank} disagrees on the norms"
         assert norms == pytest.approx(ref_norms, rel=2e-5, abs=1e-30), (norms, ref_norms)
         for i, (spec, got) in enumerate(zip(specs, params, strict=True)):
-            want = ref_params[(i, _stripe_of(rank, spec))].detach()
+            want = ref_params[(i, stripe_of(rank, spec))].detach()
             torch.testing.assert_close(
                 got,
                 want,

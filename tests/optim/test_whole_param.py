@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _layouts import GradSpec, PlacementSpec, grad_specs  # noqa: E402
+from _layouts import GradSpec, PlacementSpec, grad_specs, stripe_of  # noqa: E402
 from _ranks import get_pool  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -72,15 +72,6 @@ def _grad_spec(spec, step):
     return dataclasses.replace(spec, seed=spec.seed + 1_000_003 * (step + 1))
 
 
-def _stripe_of(rank, spec):
-    coord, rest = [], rank
-    for size in reversed(spec.mesh_shape):
-        coord.append(rest % size)
-        rest //= size
-    coord.reverse()
-    return tuple(coord[d] for d in spec.stripe_dims)
-
-
 def _full(v):
     from torch.distributed.tensor import DTensor
 
@@ -98,7 +89,7 @@ def _rank_train(specs, opt_name, steps=3, break_it=False):
     rank = dist.get_rank()
     params = [torch.nn.Parameter(build_grad(_param_spec(s))) for s in specs]
     opt = cls(params if params else [{"params": []}], **kw)
-    ref = [torch.nn.Parameter(global_tensor(_param_spec(s), _stripe_of(rank, s))) for s in specs]
+    ref = [torch.nn.Parameter(global_tensor(_param_spec(s), stripe_of(rank, s))) for s in specs]
     ref_opt = cls(ref if ref else [{"params": []}], **kw)
     for p, r in zip(params, ref, strict=True):  # pieces: as DTensor holds them (build_grad checks)
         mesh = p.device_mesh
@@ -115,7 +106,7 @@ def _rank_train(specs, opt_name, steps=3, break_it=False):
     for step in range(steps):
         for p, r, s in zip(params, ref, specs, strict=True):
             p.grad = build_grad(_grad_spec(s, step), check=False).to(p.dtype)
-            r.grad = global_tensor(_grad_spec(s, step), _stripe_of(rank, s)).to(p.dtype)
+            r.grad = global_tensor(_grad_spec(s, step), stripe_of(rank, s)).to(p.dtype)
         plan = step_whole_params(opt, params, plan_cache=plan)
         ref_opt.step()
         if opt_name == "Muon":
