@@ -87,23 +87,14 @@ def build_state_dict(
 
 
 def load_state_dict(engines: Sequence[Engine], sd: dict[str, Any]) -> None:
-    """Load the fsdp_dtensor state dict ``sd`` into every engine (all or nothing)."""
+    """Load the fsdp_dtensor state dict ``sd`` into every engine (all or nothing); the caller
+    invalidates the engines' caches around it."""
     from ..checkpoint._load import load_sharded_state_dicts
 
     records = [records_of(e) for e in engines]
-    for e in engines:
-        e.invalidate()
-    try:
-        parts = [sd] if len(engines) == 1 else _split(sd, records)
-        load_sharded_state_dicts(
-            [
-                (e.optimizer, recs, part)
-                for e, recs, part in zip(engines, records, parts, strict=True)
-            ]
-        )
-    finally:
-        for e in engines:
-            e.invalidate()
+    parts = [sd] if len(engines) == 1 else _split(sd, records)
+    triples = zip(engines, records, parts, strict=True)
+    load_sharded_state_dicts([(e.optimizer, recs, part) for e, recs, part in triples])
 
 
 def _split(sd: Any, records: list[list[ParamRecord]]) -> list[Any]:

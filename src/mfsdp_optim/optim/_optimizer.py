@@ -148,8 +148,10 @@ class FullyShardedOptimizer(OptimizerSurface):
         """Every engine's base step (clipped to ``config.clip_grad`` by ``clip_norm``), then
         stage STEPPED even if one raises; ``gate``: skip on the device where it is 1."""
         clip = self.config.clip_grad
+        pending = list(self._engines)
         try:
-            for e in self._engines:
+            while pending:
+                e = pending.pop(0)
                 divisor = None
                 if clip_norm is not None:
                     if e.route.fold_clip:
@@ -159,8 +161,8 @@ class FullyShardedOptimizer(OptimizerSurface):
                         scale_by_clip_coef_(e.preparer.work_locals, clip, clip_norm)
                 e.step(divisor, gate)
         finally:
-            for e in self._engines:
-                e.drop_fast()
+            for e in pending:  # not stepped (an earlier engine raised): restore their grads
+                e.skip()
             self._stage = Stage.STEPPED
 
     def get_grad_norm(self) -> float:

@@ -100,9 +100,7 @@ def prepare(
             for e, part in zip(engines, parts, strict=True):
                 e.preparer.unscale(inv_scale_on, part)
         buckets = merge_buckets(parts)
-    except Exception as exc:  # joins the collective, so no rank waits, then raises
-        for e in engines:
-            e.drop()
+    except Exception as exc:  # joins the collective, so no rank waits, then raises (below)
         buckets = exc
     in_group = engines[0].table.in_stats_group
     kw: dict[str, Any] = dict(norm_type=norm_type, count_zeros=count_zeros, group=group)
