@@ -45,7 +45,7 @@ def build_sharded_state_dict(
 
     Every rank of ``group`` calls it. The keyspace is derived locally and agreed with ONE
     ``all_reduce`` of a fixed-size digest; only when the ranks' digests differ does it add ONE
-    ``all_gather_object`` of compact descriptions (see ``_keyspace``). Afterwards every rank that
+    ``all_gather_object`` of compact descriptions. Afterwards every rank that
     holds a shard of a param (an empty one included) emits the same FQNs and tensor state keys, with
     zeros in the param's layout (empty when its local shard is empty) where its own optimizer holds
     no state. A param that no rank has state for has no ``"state"`` entry anywhere and an empty

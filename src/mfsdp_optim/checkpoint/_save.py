@@ -95,8 +95,8 @@ def save_checkpoint(
 
     With ``overwrite=True`` the old directory is replaced after the new one is complete, in one
     atomic directory exchange where the OS offers it, so the name always holds a whole
-    checkpoint, the old or the new one (see docs/reliability.md for the fallback). A stale
-    ``<directory>.incomplete`` from a crashed save is deleted first.
+    checkpoint, the old or the new one (the documentation's Reliability page describes the
+    fallback). A stale ``<directory>.incomplete`` from a crashed save is deleted first.
 
     Args:
         state_dict: This rank's state dict, for example ``{"optimizer":

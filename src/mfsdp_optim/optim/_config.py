@@ -44,21 +44,22 @@ class OptimizerConfig:
             ``mfsdp_precision_aware`` attribute on the optimizer, or Transformer Engine's
             FusedAdam with ``master_weights``/``use_decoupled_grad``).
         triton_adam_step: Keyword-only. True (the default): on CUDA, step ``torch.optim.Adam``/
-            ``AdamW`` groups with ``fused=True`` through this package's Triton kernel (see
-            ``optim._triton_adam``; elsewhere, and where it does not apply, torch's kernel
-            runs): the clip is applied inside the update and the grads are not written (28
-            bytes per fp32 element instead of 32 with clipping). It differs from torch's kernel
+            ``AdamW`` groups with ``fused=True`` through this package's Triton kernel (on
+            other devices, and where it does not apply, torch's kernel runs): the clip is
+            applied inside the update and the grads are not written (28 bytes per fp32
+            element instead of 32 with clipping). It differs from torch's kernel
             in two ways: float32 rounding (a few ulps; at least as accurate against float64),
             and the grads keep their unclipped values after the step. False: torch's own fused
             kernel, bit-identical to stock torch, with the clipped grads left in place.
         host_sync: Keyword-only. True: ``step()`` returns Python values, which costs one
             device-to-host copy per step. False: it returns 0-d device tensors and never waits
-            for the device (see ``docs/concepts.md``).
+            for the device (see "A step that does not wait for the host" in the
+            documentation's Concepts page).
         update_kinds: Keyword-only. ``{optimizer class: "elementwise" | "whole_param"}`` for
-            classes the package does not know (see ``docs/optimizers.md``): "elementwise" steps
-            local shards (every element's update reads only that element); "whole_param"
-            computes each param's update on the whole param. Unknown classes default to
-            "whole_param" (exact), with a warning.
+            classes the package does not know (see the documentation's "Which optimizers run
+            how" page): "elementwise" steps local shards (every element's update reads only
+            that element); "whole_param" computes each param's update on the whole param.
+            Unknown classes default to "whole_param" (exact), with a warning.
     """
 
     clip_grad: float = 0.0
