@@ -33,6 +33,15 @@ def _save(fig, name: str) -> str:
     return path
 
 
+def _provenance(entry: dict) -> str:
+    """Card, torch version, world size, date and run, as the chart titles show them."""
+    card, torch_version = entry["card"].split(", ")[:2]
+    world = entry["world_size"]
+    ranks = f"{world} rank" + ("s" if world != 1 else "")
+    run = f", {entry['run']}" if entry["run"].startswith("run") else ""
+    return f"{card.replace('NVIDIA ', '')}, {torch_version}, {ranks}, {entry['date']}{run}"
+
+
 def stats_chart(r: dict) -> str:
     s = r["stats"]
     fig, ax = plt.subplots(figsize=(7, 3.2))
@@ -57,7 +66,7 @@ def stats_chart(r: dict) -> str:
     ax.set_xticks(range(len(s["sets"])), [f"{n} grads" for n in s["sets"]])
     ax.set_ylabel("time / floor (log)")
     ax.set_title(
-        f"Global grad norm: time over the floor ({s['card'].split(',')[0]}, {s['date']})",
+        f"Global grad norm: time over the floor ({_provenance(s)})",
         fontsize=10,
     )
     ax.legend(fontsize=8, loc="upper left")
@@ -79,10 +88,7 @@ def step_chart(r: dict) -> str:
     )
     ax.set_xlim(0, max(values) * 1.45)
     ax.set_xlabel("ms per step")
-    ax.set_title(
-        f"AdamW step with clipping, 1.2B params ({s['card'].split(',')[0]}, {s['date']})",
-        fontsize=10,
-    )
+    ax.set_title(f"AdamW step with clipping, 1.2B params\n({_provenance(s)})", fontsize=10)
     return _save(fig, "bench_step.svg")
 
 
@@ -107,7 +113,10 @@ def checkpoint_chart(r: dict) -> str:
     ax.set_xticks(range(len(runs)), runs)
     ax.set_ylim(0, 1.2)
     ax.set_ylabel("x stock (lower is better)")
-    ax.set_title(f"Optimizer checkpoints against stock torch (CPU, gloo, {c['date']})", fontsize=10)
+    ax.set_title(
+        f"Optimizer checkpoints against stock torch (CPU, gloo, {c['date']}, latest runs)",
+        fontsize=10,
+    )
     ax.legend(fontsize=8, loc="upper center", ncol=3, bbox_to_anchor=(0.5, -0.18))
     return _save(fig, "bench_checkpoint.svg")
 
