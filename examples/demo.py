@@ -17,7 +17,8 @@ What it shows, in order:
    ``--muon``, one wrapper over two base optimizers: ``torch.optim.Muon`` for the blocks' 2-D
    matrices (attention, dense MLP, experts on their expert meshes) and AdamW for the rest.
 3. *checkpoint* at step ``--save-at``: the model through ``get_model_state_dict`` and the optimizer
-   through ``opt.sharded_state_dict()``, both written by ``torch.distributed.checkpoint``.
+   through ``opt.sharded_state_dict()``, both written by ``mfsdp_optim.checkpoint.save_checkpoint``
+   (DCP files, published only once every rank finished, with checksums).
 4. *resume* on ``--resume-world-size`` ranks (default 2): the checkpoint is resharded on load and
    the loss continues where the uninterrupted run went; the comparison is printed.
 5. *plot*: ``<out>/demo.png``, loss and grad norm of both runs.
@@ -343,8 +344,9 @@ def checkpoint_path(args: argparse.Namespace) -> str:
 
 
 def save_checkpoint(ctx: Ctx, step: int) -> float:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from mfsdp_optim import checkpoint
 
     t0 = time.perf_counter()
     path = checkpoint_path(ctx.args)
@@ -357,13 +359,16 @@ def save_checkpoint(ctx: Ctx, step: int) -> float:
             "grad_scaler": ctx.opt.grad_scaler_state_dict(),
         },
     }
-    dcp.save(state, checkpoint_id=path)
+    # staged, then published once every rank finished: a crash mid-save never leaves a
+    # directory that looks finished
+    checkpoint.save_checkpoint(state, path, overwrite=True)
     return time.perf_counter() - t0
 
 
 def load_checkpoint(ctx: Ctx) -> int:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from mfsdp_optim import checkpoint
 
     state = {
         "model": get_model_state_dict(ctx.model),
@@ -374,7 +379,8 @@ def load_checkpoint(ctx: Ctx) -> int:
             "grad_scaler": ctx.opt.grad_scaler_state_dict(),
         },
     }
-    dcp.load(state, checkpoint_id=checkpoint_path(ctx.args))
+    # verified (marker, sizes, checksums) before a byte is loaded; resharded by DCP
+    checkpoint.load_checkpoint(state, checkpoint_path(ctx.args))
     set_model_state_dict(ctx.model, state["model"])
     ctx.opt.load_state_dict(state["optimizer"])
     ctx.sched.load_state_dict(state["extra"]["scheduler"])

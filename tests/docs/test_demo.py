@@ -49,6 +49,10 @@ def _checkpoint_keys(path: str, *, world_saved: int) -> set[str]:
 
 
 def _check_checkpoint(path: str, *, world_saved: int) -> None:
+    from mfsdp_optim.checkpoint import checkpoint_status
+
+    # written by save_checkpoint, as the guide recommends (plain dcp.save gives "dcp")
+    assert checkpoint_status(path)[0] == "complete", checkpoint_status(path)
     keys = _checkpoint_keys(path, world_saved=world_saved)
     # the model (get_model_state_dict) and the optimizer (fsdp_dtensor layout), for dense params
     # and for the experts of BOTH expert-parallel groups, plus the step counter
@@ -185,6 +189,9 @@ def test_demo_muon(tmp_path):
         assert st + want in keys, (want, sorted(keys)[:20])
     assert st + "layers.0.attn.qkv.weight.exp_avg" not in keys
     assert st + "tok.weight.momentum_buffer" not in keys
+    # the output head, a 2-D matrix, is AdamW's (as docs/optimizers.md says), not Muon's
+    assert st + "head.weight.exp_avg" in keys
+    assert st + "head.weight.momentum_buffer" not in keys
     assert "optimizer.param_to_group_meta" in keys
     _check_png(str(tmp_path / "demo.png"), out)
 
