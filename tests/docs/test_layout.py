@@ -1,6 +1,6 @@
 """Every page of the BUILT site fits its content column at 1280 px, in a real headless browser.
 
-The rule (docs/contributing.md, "Pages fit the screen"): at a 1280 x 900 window, no element of a
+The rule (docs/internals.md, "Rules the docs keep"): at a 1280 x 900 window, no element of a
 page's article is wider than the article's column (its margin box: the theme's table wrapper
 reaches into the margins on purpose), and no element hides content behind a sideways scrollbar
 (``scrollWidth > clientWidth`` on a box that scrolls or clips). A wide table or code block is
