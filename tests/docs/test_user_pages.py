@@ -172,3 +172,15 @@ def test_api_docstrings_name_no_docs_files_or_private_modules(patterns):
         problems += problems_in(doc, name, private)
         problems += [f"{name}: names the docs file {m.group(0)!r}" for m in DOCS_FILE.finditer(doc)]
     assert not problems, "\n".join(sorted(set(problems)))
+
+
+def test_every_fault_row_names_its_test_on_the_contributors_page():
+    """The errors page's fault rows (F1, F2, ...) carry no test names; the contributors' page
+    maps each id to its test, so a new row without a test fails here."""
+    errors = (ROOT / "docs" / "errors.md").read_text("utf-8")
+    internals = (ROOT / "docs" / "internals.md").read_text("utf-8")
+    faults = re.findall(r"^\| (F\d+) \|", errors, re.M)
+    tested = dict(re.findall(r"^\| (F\d+) \| (.+) \|$", internals, re.M))
+    assert faults == [f"F{i}" for i in range(1, len(faults) + 1)] and len(faults) >= 10, faults
+    assert sorted(tested) == sorted(faults), (faults, sorted(tested))
+    assert all("test_" in t or t == "same test" for t in tested.values()), tested
