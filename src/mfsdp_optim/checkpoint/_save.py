@@ -59,7 +59,7 @@ from ._safe import (
     raise_unsafe,
     safe_read_metadata,
 )
-from ._staged import check_targets, clone, swap_in, unexpected
+from ._staged import check_chunks, check_targets, clone, swap_in, unexpected
 
 __all__ = [
     "CHECKSUMS_FILE",
@@ -420,6 +420,9 @@ def load_checkpoint(
         errors, ckpt_keys = check_targets(path, target_flat, metadata)
         if errors:
             err = err or Failure("StateDictMismatchError", ("\n  ".join(errors),))
+        torn = check_chunks(target_flat, metadata)
+        if torn:
+            err = err or Failure("CorruptCheckpointError", (f"{path}:", *torn))
     except Exception as exc:
         err = err or failure_of(exc)
     # the rank agreement: ONE all-reduce of the digests; every rank's findings, signatures and

@@ -1,7 +1,8 @@
 """The staged load: the load target checked against the checkpoint, then loaded into copies.
 
-Map: ``check_targets`` (every key of the target in the checkpoint's metadata, with its global
-shape and dtype; ``_layout_hint`` for a ``param_to_group_meta`` in another layout);
+Map: ``check_chunks`` (the chunks ``.metadata`` lists for each tensor to load tile its global
+shape exactly); ``check_targets`` (every key of the target in the checkpoint's metadata, with
+its global shape and dtype; ``_layout_hint`` for a ``param_to_group_meta`` in another layout);
 ``unexpected`` (checkpoint keys the ranks' targets together lack inside a section they load);
 ``clone`` (the staging copy DCP loads into) and ``swap_in`` (the copy written into the live
 target, tensors in place, once every rank loaded).
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_targets", "clone", "swap_in", "unexpected"]
+__all__ = ["check_chunks", "check_targets", "clone", "swap_in", "unexpected"]
 
 
 def check_targets(path: str, flat: dict[str, Any], metadata: Any) -> tuple[list[str], list[str]]:
@@ -55,6 +56,72 @@ def check_targets(path: str, flat: dict[str, Any], metadata: Any) -> tuple[list[
                 f"{value.dtype}"
             )
     return errors[:30], sorted(md)
+
+
+def check_chunks(flat: dict[str, Any], metadata: Any, limit: int = 30) -> list[str]:
+    """For every tensor key of the load target, the chunks the checkpoint's ``metadata`` lists
+    must tile its global shape exactly: each inside the shape, none overlapping, their volumes
+    adding up to the whole. DCP reads only the overlap of each chunk with the target's shard, so
+    a chunk whose offset or size was rewritten (a hand-edited ``.metadata`` whose marker and
+    checksums were rewritten to match, a faulty writer) would leave part of the target as it
+    was, live values beside saved ones, with no error: a factored entry such as Adafactor's
+    ``row_var``, one Replicate chunk, would come back as live rows followed by saved rows."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    md = metadata.state_dict_metadata
+    errors: list[str] = []
+    for key, value in flat.items():
+        item = md.get(key)
+        if not isinstance(value, torch.Tensor) or item is None:
+            continue
+        if isinstance(item, BytesStorageMetadata):
+            continue  # check_targets reports it
+        problem = _tiling_problem(tuple(item.size), item.chunks)
+        if problem:
+            errors.append(
+                f"{key!r}: the checkpoint's chunks do not tile its global shape "
+                f"{list(item.size)}: {problem}. Its .metadata was edited or written by a faulty "
+                "writer; loading it would mix saved and live values. Load another checkpoint"
+            )
+            if len(errors) >= limit:
+                break
+    return errors
+
+
+def _tiling_problem(shape: tuple[int, ...], chunks: Any) -> str:
+    """Why ``chunks`` (``offsets``, ``sizes``) do not tile ``shape`` exactly, or ``""``."""
+    total = 1
+    for d in shape:
+        total *= d
+    boxes = []
+    volume = 0
+    for c in chunks:
+        off, size = tuple(c.offsets), tuple(c.sizes)
+        if len(off) != len(shape) or len(size) != len(shape):
+            return f"a chunk at {list(off)} of size {list(size)} has another number of dims"
+        if any(o < 0 or n < 0 or o + n > d for o, n, d in zip(off, size, shape, strict=True)):
+            return f"the chunk at {list(off)} of size {list(size)} reaches outside it"
+        n = 1
+        for x in size:
+            n *= x
+        volume += n
+        if n:
+            boxes.append((off, size))
+    if volume != total:
+        return f"they hold {volume} elements, the shape {total}"
+    if len(shape) == 0:
+        return "" if len(boxes) <= 1 else "a scalar saved in more than one chunk"
+    # equal volumes: they tile it iff no two overlap (a sweep along dim 0)
+    boxes.sort(key=lambda b: b[0][0])
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for off, size in boxes:
+        active = [b for b in active if b[0][0] + b[1][0] > off[0]]
+        for o2, s2 in active:
+            pairs = zip(off, size, o2, s2, strict=True)
+            if all(a < b2 + n2 and b2 < a + n for a, n, b2, n2 in pairs):
+                return f"the chunks at {list(o2)} and {list(off)} overlap"
+        active.append((off, size))
+    return ""
 
 
 def _layout_hint(missing: list[str], md: Mapping) -> str:
