@@ -470,11 +470,16 @@ def load_checkpoint(
     target = state_dict if in_place else clone(state_dict)
     outcome: Failure | None = None
     try:
+        # DCP's default load plan is made by each rank alone (its central step changes
+        # nothing); with our planner every rank reads on its own, without DCP's plan gather and
+        # scatter (pickles of every read item) and read gather: the agreements before and after
+        # stand in for them. A planner of yours gets DCP's collectives.
         dcp.load(
             target,
             storage_reader=SafeFileSystemReader(path, metadata=metadata),
             planner=planner if planner is not None else SafeLoadPlanner(),
             process_group=process_group,
+            no_dist=planner is None or type(planner) is SafeLoadPlanner,
         )
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
