@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .._infra import agreement
 from .._infra.params import ParamRecord
-from ._layout import Slot, StateLayoutError, classify
+from ._layout import EntryLayout, StateLayoutError, classify
 from ._materialize import scratch_copy
 from ._values import PlainValueError, dtype_name, group_meta
 
@@ -30,9 +30,10 @@ Signature = tuple[tuple[str, str], ...]  # sorted (state key, dtype name) of ten
 
 
 class LocalState(NamedTuple):
-    """This rank's live state, classified: fqn -> {key: (Slot, value)} for params it holds."""
+    """This rank's live state, classified: fqn -> {key: (EntryLayout, value)} for the params it
+    holds."""
 
-    state: dict[str, dict[str, tuple[Slot, Any]]]
+    state: dict[str, dict[str, tuple[EntryLayout, Any]]]
     meta: dict[str, dict[str, Any]]
     description: dict
     signatures: dict[str, Signature]  # every record's tensor signature, derived where no state
@@ -41,7 +42,7 @@ class LocalState(NamedTuple):
 class Keyspace(NamedTuple):
     """The merged, rank-consistent view: ordered slots per FQN with state, meta per held FQN."""
 
-    state: dict[str, tuple[tuple[str, Slot], ...]]
+    state: dict[str, tuple[tuple[str, EntryLayout], ...]]
     meta: dict[str, dict[str, Any]]
 
 
@@ -86,7 +87,7 @@ def describe(optimizer: torch.optim.Optimizer, records: Sequence[ParamRecord]) -
     metas: list[tuple] = []
     meta_index: dict[int, int] = {}
     meta_plain: dict[int, dict] = {}
-    state: dict[str, dict[str, tuple[Slot, Any]]] = {}
+    state: dict[str, dict[str, tuple[EntryLayout, Any]]] = {}
     meta: dict[str, dict[str, Any]] = {}
     scalars: dict[tuple, list[tuple[str, str, torch.Tensor]]] = defaultdict(list)
     for rec in records:
@@ -109,7 +110,7 @@ def describe(optimizer: torch.optim.Optimizer, records: Sequence[ParamRecord]) -
         live = optimizer.state.get(rec.opt_param)
         if not live:
             continue
-        entries: dict[str, tuple[Slot, Any]] = {}
+        entries: dict[str, tuple[EntryLayout, Any]] = {}
         for key, value in live.items():
             try:
                 slot = classify(rec.fqn, key, value, rec.param)
@@ -201,12 +202,12 @@ def agree(local: LocalState, values: list[int], group: dist.ProcessGroup | None)
 
 def local_keyspace(local: LocalState) -> Keyspace:
     """The keyspace of this rank alone: what every rank holds when the digests agree."""
-    state: dict[str, tuple[tuple[str, Slot], ...]] = {}
+    state: dict[str, tuple[tuple[str, EntryLayout], ...]] = {}
     for fqn, entries in local.state.items():
         state[fqn] = tuple((k, s) for k, (s, _) in sorted(entries.items()))
     for fqn, sig in local.signatures.items():
         if fqn not in state and sig:  # held without state here: the derived keys
-            state[fqn] = tuple((k, Slot("t", dt, None)) for k, dt in sig)
+            state[fqn] = tuple((k, EntryLayout("t", dt, None)) for k, dt in sig)
     return Keyspace(state, dict(local.meta))
 
 
@@ -215,7 +216,7 @@ def merge(descriptions: list[dict]) -> tuple[Keyspace, list[str]]:
     errors: list[str] = []
     for rank, d in enumerate(descriptions):
         errors.extend(f"rank {rank}: {e}" for e in d["errors"])
-    state: dict[str, tuple[tuple[str, Slot], ...]] = {}
+    state: dict[str, tuple[tuple[str, EntryLayout], ...]] = {}
     shape_of: dict[str, tuple] = {}
     meta: dict[str, dict[str, Any]] = {}
     meta_of: dict[str, tuple] = {}
@@ -241,14 +242,14 @@ def merge(descriptions: list[dict]) -> tuple[Keyspace, list[str]]:
                 (k, kind, dtype, v if kind == "r" else None) for k, kind, dtype, v in sig
             )
             if fqn not in state:
-                state[fqn] = tuple((k, Slot(kind, dtype, v)) for k, kind, dtype, v in sig)
+                state[fqn] = tuple((k, EntryLayout(kind, dtype, v)) for k, kind, dtype, v in sig)
                 shape_of[fqn] = structure
             elif shape_of[fqn] != structure:
                 errors.append(
                     f"{fqn!r}: ranks hold different state keys, dtypes or layouts: "
                     f"{list(shape_of[fqn])} vs rank {rank}: {list(structure)}"
                 )
-            elif state[fqn] != tuple((k, Slot(kind, dtype, v)) for k, kind, dtype, v in sig):
+            elif state[fqn] != tuple((k, EntryLayout(kind, dtype, v)) for k, kind, dtype, v in sig):
                 errors.append(
                     f"{fqn!r}: ranks hold different scalar state: "
                     f"{[(k, s.value) for k, s in state[fqn] if s.kind in 'sn']} vs rank {rank}: "

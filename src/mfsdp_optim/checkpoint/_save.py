@@ -1,12 +1,15 @@
-"""``save_checkpoint`` / ``load_checkpoint``: publish a checkpoint only when every rank finished,
-and refuse incomplete, damaged or foreign ones before a single byte reaches the live state.
+"""``save_checkpoint``: publish a checkpoint only when every rank finished (``load_checkpoint``,
+which refuses incomplete, damaged or foreign ones before a byte reaches the live state, is in
+``_staged`` and re-exported here).
 
 Map: ``_consensus`` agrees on what every rank saves or loads (ONE all-reduce of a digest; the
 detail only when it differs or a rank failed); ``_publish`` stages and publishes atomically;
-``_integrity`` checks completeness and checksums; ``_staged`` loads into copies swapped in only
-once every rank loaded. Collectives of ``save_checkpoint``: that all-reduce, ``dcp.save``'s own,
-one object gather (every rank's writes and checksums), one all-reduce (the publish verdict). Of
-``load_checkpoint``: that all-reduce, ``dcp.load``'s own, one all-reduce (every rank loaded).
+``_integrity`` checks completeness and checksums; ``_async`` stages and writes in the background.
+Collectives of ``save_checkpoint``: that all-reduce, ``dcp.save``'s own, one object gather
+(every rank's writes and checksums, rank 0's save id), one all-reduce (the publish verdict); the
+asynchronous save adds one all-reduce (every rank staged) and runs all but the first on its own
+gloo group. Of ``load_checkpoint``: that all-reduce, one all-reduce (every rank loaded); DCP's
+load runs without collectives.
 The on-disk layout and its guarantees: docs/reliability.md.
 """
 
@@ -32,7 +35,6 @@ from ._consensus import (
     check_agreement,
     check_uniform,
     dist_info,
-    flat,
     gather,
     group_ranks,
     raise_agreed,
@@ -49,17 +51,9 @@ from ._integrity import (
     checkpoint_status,
     checksum_items,
     item_record,
-    resolve,
 )
 from ._publish import capturing, check_name, publish
-from ._safe import (
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    UnsafeCheckpointError,
-    raise_unsafe,
-    safe_read_metadata,
-)
-from ._staged import check_chunks, check_targets, clone, swap_in, unexpected
+from ._staged import load_checkpoint
 
 __all__ = [
     "CHECKSUMS_FILE",
@@ -328,171 +322,3 @@ def _on_disk(final: str, save_id: str | None) -> str:
             + f"; this save's files are in {final + STAGING_SUFFIX}."
         )
     return f"On disk: {checkpoint_status(final)[1]}"
-
-
-def load_checkpoint(
-    state_dict: Mapping[str, Any],
-    directory: str | os.PathLike,
-    *,
-    verify_checksums: bool = True,
-    require_marker: bool = True,
-    process_group: dist.ProcessGroup | None = None,
-    planner: Any = None,
-    strict: bool = True,
-    in_place: bool = False,
-) -> dict:
-    """``dcp.load`` into ``state_dict``, all or nothing, after proving the checkpoint whole.
-
-    Every rank of ``process_group`` calls it, with the same ``directory``. Before DCP reads
-    anything: ``check_checkpoint()`` (completeness, file sizes, ``.metadata`` hash, the CRC32
-    of every item, tensor and non-tensor, the reads split over the ranks), the ``.metadata``
-    unpickled with an allow-list, every key of ``state_dict`` present with its global shape and
-    dtype, and, with ``strict=True``, no checkpoint key the ranks' targets together lack inside
-    a section they load (``optimizer.state.<fqn>.max_exp_avg_sq`` saved with ``amsgrad=True``,
-    loaded into ``amsgrad=False``: the optimizer would step with half its state). ONE
-    ``all_gather_object`` shares every rank's findings and directory; if any rank found anything,
-    every rank raises and nothing changed.
-
-    Then ``dcp.load`` with ``SafeFileSystemReader`` and ``SafeLoadPlanner`` into
-    staging copies of ``state_dict``'s tensors; one more small collective agrees that every rank
-    loaded, and only then are the copies written into ``state_dict`` (tensors in place, so the
-    live optimizer state it shares storage with changes at that moment, on every rank or on
-    none).
-
-    Args:
-        state_dict: The load target, for example ``{"optimizer":
-            opt.sharded_state_dict(is_loading=True), ...}``; filled in place.
-        directory: The checkpoint directory; the same path on every rank.
-        verify_checksums: Recompute the CRC32 of every item the save recorded (the reads
-            split over the ranks).
-        require_marker: Refuse a plain DCP checkpoint without this package's completion
-            marker (``False`` loads it, its integrity then resting on DCP alone).
-        process_group: The ranks that load (default WORLD); every rank of it must call.
-        planner: The DCP load planner (default: ``SafeLoadPlanner``, which loads non-tensor
-            items with ``weights_only=True``).
-        strict: Refuse a checkpoint holding keys the ranks' targets together lack inside a
-            section they load; False leaves those entries out.
-        in_place: Skip the staging copies (half the peak memory; a failure inside DCP then
-            leaves the state partly overwritten, everything verifiable having been verified
-            before).
-
-    Returns:
-        The checkpoint's completion marker (``{}`` for a plain DCP checkpoint loaded with
-            ``require_marker=False``).
-
-    Raises:
-        IncompleteCheckpointError: On every rank, nothing changed: the save never finished
-            (or a plain DCP checkpoint with ``require_marker=True``).
-        CorruptCheckpointError: On every rank, nothing changed: missing, truncated or replaced
-            files, a ``.metadata`` from another run, a checksum mismatch.
-        FileNotFoundError: On every rank, nothing changed: no checkpoint there.
-        StateDictMismatchError: On every rank, nothing changed: a target key missing from the
-            checkpoint or with another global shape or dtype, or (``strict=True``) checkpoint
-            keys the targets lack.
-        RankDisagreementError: On every rank, nothing changed: the ranks passed different
-            ``directory`` paths or targets that do not fit together.
-        UnsafeCheckpointError: On every rank: ``.metadata`` or a non-tensor item asks the
-            unpickler for something outside the allow-list.
-        RuntimeError: ``dcp.load`` failed on some rank (nothing was loaded, or with
-            ``in_place=True`` the state is partly loaded), or a checkpoint collective failed or
-            timed out.
-    """
-    rank, world, _ = dist_info(process_group)
-    given = os.path.abspath(os.fspath(directory))
-    err: Failure | None = _async.settle()  # a save in flight: wait; its unreported error
-    path = resolve(given)
-    marker: dict = {}
-    metadata: Any = None
-    sig: dict = {}
-    digest: list[int] = []
-    ckpt_keys: list[str] = []
-    try:
-        target_flat = flat(state_dict)
-        sig = signatures(state_dict, values=False)
-        digest = sig_digest(sig, given)
-        marker = check_checkpoint(
-            given,
-            verify_checksums=verify_checksums,
-            require_marker=require_marker,
-            _part=(rank, world),
-        )
-        metadata = safe_read_metadata(path)  # once: the checks here and dcp.load's reader
-        errors, ckpt_keys = check_targets(path, target_flat, metadata)
-        if errors:
-            err = err or Failure("StateDictMismatchError", ("\n  ".join(errors),))
-        torn = check_chunks(target_flat, metadata)
-        if torn:
-            err = err or Failure("CorruptCheckpointError", (f"{path}:", *torn))
-    except Exception as exc:
-        err = err or failure_of(exc)
-    # the rank agreement: ONE all-reduce of the digests; every rank's findings, signatures and
-    # directory only when some rank found something or the digests differ
-    verdict = agreed(err, process_group, digest=digest or [-1, -1], detail=(sig, given))
-    if not verdict.same:
-        assert verdict.details is not None
-        agree_on_directory([d[1] for d in verdict.details], "load from", "nothing was loaded")
-    raise_agreed(verdict, f"refusing to load {path} (nothing was loaded)")
-    ranks = group_ranks(process_group, world)
-    if verdict.same:
-        sigs = [sig]
-        errors = check_uniform(sig, ranks)
-    else:
-        assert verdict.details is not None
-        sigs = [d[0] for d in verdict.details]
-        errors = check_agreement(sigs, ranks)
-    if errors:
-        raise_agreed(
-            {0: Failure("RankDisagreementError", ("\n  ".join(errors[:30]),))},
-            f"ranks disagree on the state dict to load from {path} (nothing loaded)",
-        )
-    if strict:  # the same file and the same targets on every rank: the same verdict
-        extra = unexpected(ckpt_keys, {k for s in sigs for k in s})
-        if extra:
-            raise_agreed(
-                {
-                    0: Failure(
-                        "StateDictMismatchError",
-                        (
-                            f"the checkpoint holds {len(extra)} key(s) the target lacks, "
-                            f"e.g. {extra[:5]}: it was saved by an optimizer with other options "
-                            "(for example amsgrad=True, loaded into amsgrad=False, which would "
-                            "step without max_exp_avg_sq) or by another model. Build the "
-                            "optimizer and model with the options of the save, or pass "
-                            "strict=False to leave those entries out",
-                        ),
-                    )
-                },
-                f"refusing to load {path} (nothing was loaded)",
-            )
-
-    import torch.distributed.checkpoint as dcp
-
-    target = state_dict if in_place else clone(state_dict)
-    outcome: Failure | None = None
-    try:
-        # DCP's default load plan is made by each rank alone (its central step changes
-        # nothing); with our planner every rank reads on its own, without DCP's plan gather and
-        # scatter (pickles of every read item) and read gather: the agreements before and after
-        # stand in for them. A planner of yours gets DCP's collectives.
-        dcp.load(
-            target,
-            storage_reader=SafeFileSystemReader(path, metadata=metadata),
-            planner=planner if planner is not None else SafeLoadPlanner(),
-            process_group=process_group,
-            no_dist=planner is None or type(planner) is SafeLoadPlanner,
-        )
-    except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        try:
-            raise_unsafe(exc)
-            outcome = Failure(
-                "RuntimeError", (f"dcp.load failed: {type(exc).__name__}: {str(exc)[:2000]}",)
-            )
-        except UnsafeCheckpointError as unsafe:
-            outcome = failure_of(unsafe)
-    state = "partly loaded (in_place=True)" if in_place else "nothing was loaded"
-    raise_agreed(agreed(outcome, process_group), f"loading {path} failed ({state})")
-    if not in_place:
-        swap_in(state_dict, target)
-    return marker
