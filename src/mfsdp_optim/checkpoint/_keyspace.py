@@ -5,13 +5,15 @@ signature, ``derive_signature`` for a param its optimizer does not hold, plus th
 emit); ``digest`` + ``agree`` (``_infra.agreement``): ONE 32-byte ``all_reduce``, all match?
 ``local_keyspace`` the common case, ``merge`` the detailed exchange's fallback (one
 ``all_gather_object`` of compact descriptions). The decision to fall back is the all-reduce's
-result, so every rank issues the same collectives; nothing is raised before one. The protocol
-and the description's fields: docs/concepts.md, "Inside the checkpoint layer".
+result, so every rank issues the same collectives; nothing is raised before one.
+``scratch_copy`` (an optimizer stepping zero clones: used here to derive signatures and by
+``_materialize``, which comes after this module on the build path). The protocol and the
+description's fields: docs/concepts.md, "Inside the checkpoint layer".
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -21,12 +23,33 @@ import torch.distributed as dist
 from .._infra import agreement
 from .._infra.params import ParamRecord
 from ._layout import EntryLayout, StateLayoutError, classify
-from ._materialize import scratch_copy
 from ._values import PlainValueError, dtype_name, group_meta
 
-__all__ = ["Keyspace", "LocalState", "agree", "derive_signature", "describe", "merge"]
+__all__ = [
+    "Keyspace",
+    "LocalState",
+    "agree",
+    "derive_signature",
+    "describe",
+    "merge",
+    "scratch_copy",
+]
 
 Signature = tuple[tuple[str, str], ...]  # sorted (state key, dtype name) of tensor state
+
+
+def scratch_copy(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A shallow copy of ``optimizer`` with its own empty state and no step hooks, for stepping
+    other params with the class's own ``step``. Every attribute is shared (``copy.copy`` would
+    keep only what ``Optimizer.__getstate__`` names: defaults, state, param_groups, and so drop
+    e.g. apex FusedAdam's ``capturable`` and ``param_groups_master``); the caller sets
+    ``param_groups`` (and any list kept beside them) before stepping it."""
+    scratch = object.__new__(type(optimizer))
+    scratch.__dict__.update(optimizer.__dict__)
+    scratch.state = defaultdict(dict)
+    scratch._optimizer_step_pre_hooks = OrderedDict()
+    scratch._optimizer_step_post_hooks = OrderedDict()
+    return scratch
 
 
 class LocalState(NamedTuple):
