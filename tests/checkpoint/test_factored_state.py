@@ -321,3 +321,129 @@ def test_stock_helpers_carry_the_factors_from_4_to_2_ranks(ranks, tmp_path):
         assert sorted(loaded) == sorted(saved)
         for key, value in saved.items():
             assert torch.equal(loaded[key], value), f"{key} differs after the stock round trip"
+
+
+def _rank_save_checkpoint(path):
+    from _layouts import get_mesh
+
+    from mfsdp_optim.checkpoint import save_checkpoint
+
+    model, opt = _wrapped(get_mesh((dist.get_world_size(),)), "adafactor")
+    full, ref = _reference(model, opt, "adafactor")
+    _train(model, opt, full, ref, STEPS_BEFORE, 0)
+    save_checkpoint({"optimizer": opt.sharded_state_dict()}, path)
+
+
+def _edit_chunk(src, dst, key, offsets=None, sizes=None):
+    """Copy the checkpoint ``src`` to ``dst`` with ``key``'s one chunk moved to ``offsets`` or
+    resized to ``sizes`` in ``.metadata``, and the marker and checksums rewritten to match (so
+    every integrity check passes): what a careful hand edit leaves."""
+    import dataclasses
+    import hashlib
+    import json
+    import os
+    import pickle
+    import shutil
+
+    shutil.copytree(src, dst)
+    meta_path = os.path.join(dst, ".metadata")
+    with open(meta_path, "rb") as f:
+        md = pickle.load(f)  # noqa: S301 - our own test file
+    (chunk,) = md.state_dict_metadata[key].chunks
+    old_offsets = chunk.offsets
+    chunk.offsets = torch.Size(offsets) if offsets is not None else chunk.offsets
+    chunk.sizes = torch.Size(sizes) if sizes is not None else chunk.sizes
+    for index in list(md.storage_data):
+        if index.fqn == key and index.offset == old_offsets:
+            info = md.storage_data.pop(index)
+            md.storage_data[dataclasses.replace(index, offset=chunk.offsets)] = info
+    with open(meta_path, "wb") as f:
+        pickle.dump(md, f)
+    sums_path = os.path.join(dst, "mfsdp_checksums.json")
+    with open(sums_path) as f:
+        sums = json.load(f)
+    for item in sums["items"]:
+        if item["key"] == key:
+            item["chunk"] = list(chunk.offsets)
+    with open(sums_path, "w") as f:
+        json.dump(sums, f)
+    marker_path = os.path.join(dst, "mfsdp_complete.json")
+    with open(marker_path) as f:
+        marker = json.load(f)
+    for name in (".metadata", "mfsdp_checksums.json"):
+        marker["files"][name] = os.path.getsize(os.path.join(dst, name))
+    with open(meta_path, "rb") as f:
+        marker["metadata_sha256"] = hashlib.sha256(f.read()).hexdigest()
+    with open(marker_path, "w") as f:
+        json.dump(marker, f)
+
+
+def _rank_load_edited(path):
+    from _checkpoint_helpers import same
+    from _layouts import get_mesh
+    from torch.distributed.tensor import DTensor
+
+    from mfsdp_optim.checkpoint import CorruptCheckpointError, load_checkpoint
+
+    model, opt = _wrapped(get_mesh((dist.get_world_size(),)), "adafactor")
+    full, ref = _reference(model, opt, "adafactor")
+    _train(model, opt, full, ref, 1, 5)  # live state unlike the saved one
+    base = opt.optimizers[0]
+
+    def live():
+        return [
+            {k: (v._local_tensor.clone() if isinstance(v, DTensor) else v) for k, v in st.items()}
+            for st in base.state.values()
+        ]
+
+    before = live()
+    target = {"optimizer": opt.sharded_state_dict(is_loading=True)}
+    try:
+        load_checkpoint(target, path)
+        opt.load_state_dict(target["optimizer"])
+    except CorruptCheckpointError as exc:
+        assert same(live(), before), "a refused load changed the optimizer"
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [{"offsets": (2, 0)}, {"sizes": (3, 1)}, {"offsets": (0, 0), "sizes": (5, 1)}],
+    ids=["offset", "size", "control"],
+)
+def test_factor_chunk_rewritten_in_metadata_is_refused(ranks, tmp_path, edit):
+    """Issue 35, item 6: a factored entry's chunk moved in ``.metadata`` (marker and checksums
+    rewritten to match) loaded live rows followed by saved rows; now refused on every rank with
+    nothing changed. The control rewrites the chunk as it was and loads."""
+    src, dst = str(tmp_path / "ckpt"), str(tmp_path / "edited")
+    pool = ranks(2)
+    pool.run(_rank_save_checkpoint, src)
+    _edit_chunk(src, dst, "optimizer.state.0.weight.row_var", **edit)
+    for msg in pool.run(_rank_load_edited, dst):
+        if "sizes" in edit and "offsets" in edit:
+            assert msg is None, msg
+            continue
+        assert msg is not None, "the edited checkpoint loaded"
+        assert "'optimizer.state.0.weight.row_var'" in msg and "do not tile" in msg, msg
+        assert "nothing was loaded" in msg, msg
+
+
+def test_chunk_tiling_check_finds_holes_overlaps_and_strays():
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    from mfsdp_optim.checkpoint._staged import _tiling_problem
+
+    def chunks(*boxes):
+        return [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes]
+
+    shape = (8, 4)
+    assert _tiling_problem(shape, chunks(((0, 0), (4, 4)), ((4, 0), (4, 4)))) == ""
+    assert _tiling_problem(shape, chunks(((0, 0), (8, 2)), ((0, 2), (8, 2)))) == ""
+    assert _tiling_problem((), chunks(((), ()))) == ""
+    assert _tiling_problem((0, 4), chunks(((0, 0), (0, 4)), ((0, 0), (0, 4)))) == ""
+    # equal volume, but overlapping and leaving a hole: rows 2..3 twice, rows 6..7 never
+    assert "overlap" in _tiling_problem(shape, chunks(((0, 0), (4, 4)), ((2, 0), (4, 4))))
+    assert "outside" in _tiling_problem(shape, chunks(((0, 0), (4, 4)), ((6, 0), (4, 4))))
+    assert "elements" in _tiling_problem(shape, chunks(((0, 0), (4, 4))))
+    assert "dims" in _tiling_problem(shape, chunks(((0,), (8,))))

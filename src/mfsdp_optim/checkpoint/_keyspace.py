@@ -5,13 +5,15 @@ signature, ``derive_signature`` for a param its optimizer does not hold, plus th
 emit); ``digest`` + ``agree`` (``_infra.agreement``): ONE 32-byte ``all_reduce``, all match?
 ``local_keyspace`` the common case, ``merge`` the detailed exchange's fallback (one
 ``all_gather_object`` of compact descriptions). The decision to fall back is the all-reduce's
-result, so every rank issues the same collectives; nothing is raised before one. The protocol
-and the description's fields: docs/concepts.md, "Inside the checkpoint layer".
+result, so every rank issues the same collectives; nothing is raised before one.
+``scratch_copy`` (an optimizer stepping zero clones: used here to derive signatures and by
+``_materialize``, which comes after this module on the build path). The protocol and the
+description's fields: docs/concepts.md, "Inside the checkpoint layer".
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -20,19 +22,41 @@ import torch.distributed as dist
 
 from .._infra import agreement
 from .._infra.params import ParamRecord
-from ._layout import Slot, StateLayoutError, classify
-from ._materialize import scratch_copy
+from ._layout import EntryLayout, StateLayoutError, classify
 from ._values import PlainValueError, dtype_name, group_meta
 
-__all__ = ["Keyspace", "LocalState", "agree", "derive_signature", "describe", "merge"]
+__all__ = [
+    "Keyspace",
+    "LocalState",
+    "agree",
+    "derive_signature",
+    "describe",
+    "merge",
+    "scratch_copy",
+]
 
 Signature = tuple[tuple[str, str], ...]  # sorted (state key, dtype name) of tensor state
 
 
-class LocalState(NamedTuple):
-    """This rank's live state, classified: fqn -> {key: (Slot, value)} for params it holds."""
+def scratch_copy(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A shallow copy of ``optimizer`` with its own empty state and no step hooks, for stepping
+    other params with the class's own ``step``. Every attribute is shared (``copy.copy`` would
+    keep only what ``Optimizer.__getstate__`` names: defaults, state, param_groups, and so drop
+    e.g. apex FusedAdam's ``capturable`` and ``param_groups_master``); the caller sets
+    ``param_groups`` (and any list kept beside them) before stepping it."""
+    scratch = object.__new__(type(optimizer))
+    scratch.__dict__.update(optimizer.__dict__)
+    scratch.state = defaultdict(dict)
+    scratch._optimizer_step_pre_hooks = OrderedDict()
+    scratch._optimizer_step_post_hooks = OrderedDict()
+    return scratch
 
-    state: dict[str, dict[str, tuple[Slot, Any]]]
+
+class LocalState(NamedTuple):
+    """This rank's live state, classified: fqn -> {key: (EntryLayout, value)} for the params it
+    holds."""
+
+    state: dict[str, dict[str, tuple[EntryLayout, Any]]]
     meta: dict[str, dict[str, Any]]
     description: dict
     signatures: dict[str, Signature]  # every record's tensor signature, derived where no state
@@ -41,7 +65,7 @@ class LocalState(NamedTuple):
 class Keyspace(NamedTuple):
     """The merged, rank-consistent view: ordered slots per FQN with state, meta per held FQN."""
 
-    state: dict[str, tuple[tuple[str, Slot], ...]]
+    state: dict[str, tuple[tuple[str, EntryLayout], ...]]
     meta: dict[str, dict[str, Any]]
 
 
@@ -86,7 +110,7 @@ def describe(optimizer: torch.optim.Optimizer, records: Sequence[ParamRecord]) -
     metas: list[tuple] = []
     meta_index: dict[int, int] = {}
     meta_plain: dict[int, dict] = {}
-    state: dict[str, dict[str, tuple[Slot, Any]]] = {}
+    state: dict[str, dict[str, tuple[EntryLayout, Any]]] = {}
     meta: dict[str, dict[str, Any]] = {}
     scalars: dict[tuple, list[tuple[str, str, torch.Tensor]]] = defaultdict(list)
     for rec in records:
@@ -109,7 +133,7 @@ def describe(optimizer: torch.optim.Optimizer, records: Sequence[ParamRecord]) -
         live = optimizer.state.get(rec.opt_param)
         if not live:
             continue
-        entries: dict[str, tuple[Slot, Any]] = {}
+        entries: dict[str, tuple[EntryLayout, Any]] = {}
         for key, value in live.items():
             try:
                 slot = classify(rec.fqn, key, value, rec.param)
@@ -201,12 +225,12 @@ def agree(local: LocalState, values: list[int], group: dist.ProcessGroup | None)
 
 def local_keyspace(local: LocalState) -> Keyspace:
     """The keyspace of this rank alone: what every rank holds when the digests agree."""
-    state: dict[str, tuple[tuple[str, Slot], ...]] = {}
+    state: dict[str, tuple[tuple[str, EntryLayout], ...]] = {}
     for fqn, entries in local.state.items():
         state[fqn] = tuple((k, s) for k, (s, _) in sorted(entries.items()))
     for fqn, sig in local.signatures.items():
         if fqn not in state and sig:  # held without state here: the derived keys
-            state[fqn] = tuple((k, Slot("t", dt, None)) for k, dt in sig)
+            state[fqn] = tuple((k, EntryLayout("t", dt, None)) for k, dt in sig)
     return Keyspace(state, dict(local.meta))
 
 
@@ -215,7 +239,7 @@ def merge(descriptions: list[dict]) -> tuple[Keyspace, list[str]]:
     errors: list[str] = []
     for rank, d in enumerate(descriptions):
         errors.extend(f"rank {rank}: {e}" for e in d["errors"])
-    state: dict[str, tuple[tuple[str, Slot], ...]] = {}
+    state: dict[str, tuple[tuple[str, EntryLayout], ...]] = {}
     shape_of: dict[str, tuple] = {}
     meta: dict[str, dict[str, Any]] = {}
     meta_of: dict[str, tuple] = {}
@@ -241,14 +265,14 @@ def merge(descriptions: list[dict]) -> tuple[Keyspace, list[str]]:
                 (k, kind, dtype, v if kind == "r" else None) for k, kind, dtype, v in sig
             )
             if fqn not in state:
-                state[fqn] = tuple((k, Slot(kind, dtype, v)) for k, kind, dtype, v in sig)
+                state[fqn] = tuple((k, EntryLayout(kind, dtype, v)) for k, kind, dtype, v in sig)
                 shape_of[fqn] = structure
             elif shape_of[fqn] != structure:
                 errors.append(
                     f"{fqn!r}: ranks hold different state keys, dtypes or layouts: "
                     f"{list(shape_of[fqn])} vs rank {rank}: {list(structure)}"
                 )
-            elif state[fqn] != tuple((k, Slot(kind, dtype, v)) for k, kind, dtype, v in sig):
+            elif state[fqn] != tuple((k, EntryLayout(kind, dtype, v)) for k, kind, dtype, v in sig):
                 errors.append(
                     f"{fqn!r}: ranks hold different scalar state: "
                     f"{[(k, s.value) for k, s in state[fqn] if s.kind in 'sn']} vs rank {rank}: "

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from .._infra.agreement import agree, by_rank
 from .._infra.params import ParamRecord
-from ._layout import Slot, StateLayoutError, classify, local_shape
+from ._layout import EntryLayout, StateLayoutError, classify, local_shape
 from ._table import as_table, is_table
 from ._values import (
     EXCLUDED_GROUP_KEYS,
@@ -175,7 +175,7 @@ def _check_own_layout(fqn, key, value, live, param) -> list[str]:
     return out
 
 
-def _check_scalar(fqn, key, value, slot: Slot | None) -> list[str]:
+def _check_scalar(fqn, key, value, slot: EntryLayout | None) -> list[str]:
     where = f"state {fqn!r}[{key!r}]"
     if isinstance(value, torch.Tensor):
         if value.dim() != 0 or isinstance(value, DTensor):

@@ -13,15 +13,15 @@ docs/concepts.md, "Inside the checkpoint layer".
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict, defaultdict
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from .._infra.group_lists import aligned_lists
 from .._infra.placement import as_stock_value, in_layout_of
+from ._keyspace import scratch_copy
 
-__all__ = ["materialize_optimizer_state", "scratch_copy"]
+__all__ = ["materialize_optimizer_state"]
 
 
 def _snapshot(optimizer: torch.optim.Optimizer) -> list[dict]:
@@ -53,20 +53,6 @@ def _zero_step(value):
     if isinstance(value, torch.Tensor):
         return value.zero_()
     return type(value)(0)
-
-
-def scratch_copy(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """A shallow copy of ``optimizer`` with its own empty state and no step hooks, for stepping
-    other params with the class's own ``step``. Every attribute is shared (``copy.copy`` would
-    keep only what ``Optimizer.__getstate__`` names: defaults, state, param_groups, and so drop
-    e.g. apex FusedAdam's ``capturable`` and ``param_groups_master``); the caller sets
-    ``param_groups`` (and any list kept beside them) before stepping it."""
-    scratch = object.__new__(type(optimizer))
-    scratch.__dict__.update(optimizer.__dict__)
-    scratch.state = defaultdict(dict)
-    scratch._optimizer_step_pre_hooks = OrderedDict()
-    scratch._optimizer_step_post_hooks = OrderedDict()
-    return scratch
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

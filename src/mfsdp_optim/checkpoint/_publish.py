@@ -83,7 +83,11 @@ def capturing(writer_cls: type) -> type:
     return _Capturing
 
 
-def publish(staging, final, reports, checksums, overwrite, world, metadata, timings) -> None:
+def publish(
+    staging, final, reports, checksums, overwrite, world, metadata, timings, save_id=None
+) -> None:
+    """Rank 0, once every rank reported its writes: checksums, marker (carrying ``save_id``, the
+    id every rank learned from the report gather), then the rename into place."""
     items = sorted((it for rep, _ in reports for it in rep), key=lambda i: (i["file"], i["start"]))
     if checksums:
         write_json(
@@ -99,7 +103,7 @@ def publish(staging, final, reports, checksums, overwrite, world, metadata, timi
     marker = {
         "format": FORMAT,
         "complete": True,
-        "save_id": uuid.uuid4().hex,
+        "save_id": save_id or uuid.uuid4().hex,
         "world_size": world,
         "time": time.time(),
         "files": files,

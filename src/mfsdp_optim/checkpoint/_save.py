@@ -1,27 +1,33 @@
-"""``save_checkpoint`` / ``load_checkpoint``: publish a checkpoint only when every rank finished,
-and refuse incomplete, damaged or foreign ones before a single byte reaches the live state.
+"""``save_checkpoint``: publish a checkpoint only when every rank finished (``load_checkpoint``,
+which refuses incomplete, damaged or foreign ones before a byte reaches the live state, is in
+``_staged`` and re-exported here).
 
 Map: ``_consensus`` agrees on what every rank saves or loads (ONE all-reduce of a digest; the
 detail only when it differs or a rank failed); ``_publish`` stages and publishes atomically;
-``_integrity`` checks completeness and checksums; ``_staged`` loads into copies swapped in only
-once every rank loaded. Collectives of ``save_checkpoint``: that all-reduce, ``dcp.save``'s own,
-one object gather (every rank's writes and checksums), one all-reduce (the publish verdict). Of
-``load_checkpoint``: that all-reduce, ``dcp.load``'s own, one all-reduce (every rank loaded).
+``_integrity`` checks completeness and checksums; ``_async`` stages and writes in the background.
+Collectives of ``save_checkpoint``: that all-reduce, ``dcp.save``'s own, one object gather
+(every rank's writes and checksums, rank 0's save id), one all-reduce (the publish verdict); the
+asynchronous save adds one all-reduce (every rank staged) and runs all but the first on its own
+gloo group. Of ``load_checkpoint``: that all-reduce, one all-reduce (every rank loaded); DCP's
+load runs without collectives.
 The on-disk layout and its guarantees: docs/reliability.md.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
+import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 
 from .._infra.agreement import Failure, failure_of
+from . import _async
 from ._consensus import (
     RankDisagreementError,
     agree_on_directory,
@@ -29,7 +35,6 @@ from ._consensus import (
     check_agreement,
     check_uniform,
     dist_info,
-    flat,
     gather,
     group_ranks,
     raise_agreed,
@@ -46,17 +51,9 @@ from ._integrity import (
     checkpoint_status,
     checksum_items,
     item_record,
-    resolve,
 )
 from ._publish import capturing, check_name, publish
-from ._safe import (
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    UnsafeCheckpointError,
-    raise_unsafe,
-    safe_read_metadata,
-)
-from ._staged import check_targets, clone, swap_in, unexpected
+from ._staged import load_checkpoint
 
 __all__ = [
     "CHECKSUMS_FILE",
@@ -76,13 +73,14 @@ def save_checkpoint(
     state_dict: Mapping[str, Any],
     directory: str | os.PathLike,
     *,
+    asynchronous: bool = False,
     checksums: bool = True,
     overwrite: bool = False,
     process_group: dist.ProcessGroup | None = None,
     metadata: Mapping[str, Any] | None = None,
     writer_cls: type = FileSystemWriter,
     thread_count: int = 1,
-) -> str:
+) -> Any:
     """Save ``state_dict`` with ``torch.distributed.checkpoint`` and publish it atomically.
 
     Every rank of ``process_group`` calls it with its own state dict. First the ranks check,
@@ -92,6 +90,15 @@ def save_checkpoint(
     writes into ``<directory>.incomplete``; once every rank reports its writes done, rank 0
     writes the CRC32 of every item (``checksums=True``), the completion marker (file sizes,
     SHA-256 of ``.metadata``, ``metadata``) and renames the directory to ``directory``.
+
+    With ``asynchronous=True`` it returns as soon as the ranks agreed and every rank copied its
+    state off the live tensors (into host memory, pinned where CUDA is), with a ``SaveHandle``;
+    DCP's write (``torch.distributed.checkpoint.async_save``), the checksums and the publish run
+    on a background thread, their collectives on a gloo group of their own. Training may step
+    meanwhile: what is written is the copy. Every guarantee above holds (docs/checkpoint.md,
+    "Asynchronous save"). One save is in flight per process: the next ``save_checkpoint`` or
+    ``load_checkpoint`` first waits for it, and refuses, on every rank, when it failed and
+    ``handle.wait()`` never raised its error.
 
     With ``overwrite=True`` the old directory is replaced after the new one is complete, in one
     atomic directory exchange where the OS offers it, so the name always holds a whole
@@ -103,6 +110,8 @@ def save_checkpoint(
             opt.sharded_state_dict(), "grad_scaler": opt.grad_scaler_state_dict()}``.
         directory: Where the checkpoint is published; the same path on every rank. Names
             ending in ``.incomplete`` or ``.old-<8 hex digits>`` are reserved.
+        asynchronous: Return once the state is staged, with a ``SaveHandle`` (``wait()``,
+            ``done()``), instead of once it is published.
         checksums: Also write the CRC32 of every item DCP wrote (``mfsdp_checksums.json``),
             so a load catches bit flips.
         overwrite: Replace an existing ``directory`` (atomically, once the new one is complete).
@@ -112,7 +121,8 @@ def save_checkpoint(
         thread_count: The writer's thread count, given to DCP.
 
     Returns:
-        The published checkpoint directory (as an absolute path), on every rank.
+        The published checkpoint directory (as an absolute path), on every rank; with
+        ``asynchronous=True`` a ``SaveHandle`` whose ``wait()`` returns it.
 
     Raises:
         RankDisagreementError: On every rank, nothing written, when the ranks disagree on what
@@ -122,17 +132,21 @@ def save_checkpoint(
             (or it exists and is not a directory).
         RuntimeError: ``dcp.save`` failed (a rank probably died or was killed during the
             save: nothing was published, the previous checkpoint is untouched, the partial files
-            are in ``<directory>.incomplete``), a checkpoint collective failed or timed out, or
-            the checkpoint could not be published.
+            are in ``<directory>.incomplete``), a checkpoint collective failed or timed out (the
+            message says what is on disk: a rank that failed after the publish leaves the new
+            checkpoint published and whole), the checkpoint could not be published, the state
+            could not be staged, or the previous asynchronous save failed unreported. With
+            ``asynchronous=True`` the errors after staging are raised by ``handle.wait()``.
     """
+    t0 = time.perf_counter()
     rank, world, _ = dist_info(process_group)
     final = os.path.abspath(os.fspath(directory))
     staging = final + STAGING_SUFFIX
-    prep: Failure | None = None
+    prep: Failure | None = _async.settle()  # a save in flight: wait; its unreported error
     created = False
     try:
         check_name(final)
-        if rank == 0:
+        if rank == 0 and prep is None:
             if os.path.exists(final) and not overwrite:
                 raise FileExistsError(f"{final} already exists; pass overwrite=True to replace it")
             if os.path.exists(final) and not os.path.isdir(final):
@@ -144,7 +158,7 @@ def save_checkpoint(
             os.makedirs(staging)
             created = True
     except (OSError, ValueError) as exc:
-        prep = failure_of(exc)
+        prep = prep or failure_of(exc)
     sig: dict[str, tuple] = {}
     try:
         sig = signatures(state_dict, values=True)
@@ -168,40 +182,95 @@ def save_checkpoint(
                 {0: Failure("RankDisagreementError", ("\n  ".join(errors[:30]),))},
                 f"ranks disagree on the state dict to save into {final} (nothing written)",
             )
+        if asynchronous:
+            # the copy, then ONE more all-reduce: every rank staged (or nobody writes)
+            staged: dict[str, Any] = {}
+            failed: Failure | None = None
+            try:
+                staged = _async.stage(state_dict)
+            except Exception as exc:
+                failed = failure_of(exc)
+            raise_agreed(
+                agreed(failed, process_group),
+                f"could not copy the state to save into {final} (nothing written)",
+            )
+            group = _async.background_group(process_group, ranks)
     except BaseException:
         if created:  # rank 0's empty staging directory: leave nothing behind
             shutil.rmtree(staging, ignore_errors=True)
         raise
 
-    import torch.distributed.checkpoint as dcp
-
+    job = _Job(final, staging, rank, world, checksums, overwrite, metadata)
     writer = capturing(writer_cls)(staging, thread_count=thread_count)
-    t0 = time.perf_counter()
-    try:
-        dcp.save(dict(state_dict), storage_writer=writer, process_group=process_group)
-    except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
+    if not asynchronous:
+        import torch.distributed.checkpoint as dcp
+
+        t_write = time.perf_counter()
+        err: BaseException | None = None
+        try:
+            dcp.save(dict(state_dict), storage_writer=writer, process_group=process_group)
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            err = exc
+        return _finish(job, writer, err, process_group, time.perf_counter() - t_write)
+
+    t_write = time.perf_counter()
+    return _async.start(
+        final,
+        staged,
+        writer,
+        group,
+        lambda err: _finish(job, writer, err, group, time.perf_counter() - t_write),
+        t0,
+    )
+
+
+class _Job(NamedTuple):
+    """What the write and the publish of one save need, fixed before DCP runs."""
+
+    final: str
+    staging: str
+    rank: int
+    world: int
+    checksums: bool
+    overwrite: bool
+    metadata: Mapping[str, Any] | None
+
+
+def _finish(
+    job: _Job,
+    writer: Any,
+    err: BaseException | None,
+    group: dist.ProcessGroup | None,
+    t_save: float,
+) -> str:
+    """After ``dcp.save`` (``err``: its error): the checksums, one object gather of every
+    rank's writes (rank 0 adds the save's id), rank 0's publish, one all-reduce of its verdict.
+    Runs on the caller's thread (synchronous) or the background one (on its own group)."""
+    final, staging = job.final, job.staging
+    if err is not None:
         raise RuntimeError(
-            f"dcp.save of {final} failed ({type(exc).__name__}: {str(exc)[:2000]}); a rank "
+            f"dcp.save of {final} failed ({type(err).__name__}: {str(err)[:2000]}); a rank "
             "probably died or was killed during the save. Nothing was published: the previous "
             f"checkpoint is untouched and the partial files are in {staging}."
-        ) from exc
-    t_save = time.perf_counter() - t0
-
-    report: tuple[list[dict], tuple[str, str] | None]
+        ) from err
+    t0 = time.perf_counter()
+    report: tuple[list[dict], tuple[str, str] | None, str | None]
+    save_id = uuid.uuid4().hex if job.rank == 0 else None
     try:
         mine = [item_record(r.index, r.storage_data) for r in getattr(writer, "mfsdp_results", [])]
-        report = (checksum_items(staging, mine) if checksums else mine, None)
+        report = (checksum_items(staging, mine) if job.checksums else mine, None, save_id)
     except Exception as exc:
-        report = ([], (type(exc).__name__, str(exc)))
-    t_crc = time.perf_counter() - t0 - t_save
-    reports = gather(report, process_group)
+        report = ([], (type(exc).__name__, str(exc)), save_id)
+    t_crc = time.perf_counter() - t0
+    reports = gather(report, group)
+    save_id = reports[0][2]  # every rank now knows the id the marker will carry
 
     outcome: Failure | None = None
-    if rank == 0:
+    if job.rank == 0:
         try:
-            failed = [r for r, (_, e) in enumerate(reports) if e is not None]
+            failed = [r for r, (_, e, _) in enumerate(reports) if e is not None]
             if failed:
                 raise RuntimeError(
                     f"ranks {failed} could not checksum their files: "
@@ -210,174 +279,46 @@ def save_checkpoint(
             publish(
                 staging,
                 final,
-                reports,
-                checksums,
-                overwrite,
-                world,
-                metadata,
+                [(items, e) for items, e, _ in reports],
+                job.checksums,
+                job.overwrite,
+                job.world,
+                job.metadata,
                 {"dcp_save_s": t_save, "checksum_s": t_crc},
+                save_id=save_id,
             )
         except Exception as exc:
             outcome = failure_of(exc)
-    raise_agreed(agreed(outcome, process_group), f"could not publish the checkpoint {final}")
+    try:
+        verdict = agreed(outcome, group)
+    except RuntimeError as exc:  # a rank died after the gather: say what is on disk
+        cause = exc.__cause__ or exc
+        raise RuntimeError(
+            f"the ranks' last agreement on the checkpoint {final} failed: a rank died, was "
+            f"killed or stopped after every rank had written its files. "
+            f"{_on_disk(final, save_id)} Cause: {type(cause).__name__}: {str(cause)[:1000]}"
+        ) from exc
+    raise_agreed(verdict, f"could not publish the checkpoint {final}")
     return final
 
 
-def load_checkpoint(
-    state_dict: Mapping[str, Any],
-    directory: str | os.PathLike,
-    *,
-    verify_checksums: bool = True,
-    require_marker: bool = True,
-    process_group: dist.ProcessGroup | None = None,
-    planner: Any = None,
-    strict: bool = True,
-    in_place: bool = False,
-) -> dict:
-    """``dcp.load`` into ``state_dict``, all or nothing, after proving the checkpoint whole.
-
-    Every rank of ``process_group`` calls it, with the same ``directory``. Before DCP reads
-    anything: ``check_checkpoint()`` (completeness, file sizes, ``.metadata`` hash, the CRC32
-    of every item, tensor and non-tensor, the reads split over the ranks), the ``.metadata``
-    unpickled with an allow-list, every key of ``state_dict`` present with its global shape and
-    dtype, and, with ``strict=True``, no checkpoint key the ranks' targets together lack inside
-    a section they load (``optimizer.state.<fqn>.max_exp_avg_sq`` saved with ``amsgrad=True``,
-    loaded into ``amsgrad=False``: the optimizer would step with half its state). ONE
-    ``all_gather_object`` shares every rank's findings and directory; if any rank found anything,
-    every rank raises and nothing changed.
-
-    Then ``dcp.load`` with ``SafeFileSystemReader`` and ``SafeLoadPlanner`` into
-    staging copies of ``state_dict``'s tensors; one more small collective agrees that every rank
-    loaded, and only then are the copies written into ``state_dict`` (tensors in place, so the
-    live optimizer state it shares storage with changes at that moment, on every rank or on
-    none).
-
-    Args:
-        state_dict: The load target, for example ``{"optimizer":
-            opt.sharded_state_dict(is_loading=True), ...}``; filled in place.
-        directory: The checkpoint directory; the same path on every rank.
-        verify_checksums: Recompute the CRC32 of every item the save recorded (the reads
-            split over the ranks).
-        require_marker: Refuse a plain DCP checkpoint without this package's completion
-            marker (``False`` loads it, its integrity then resting on DCP alone).
-        process_group: The ranks that load (default WORLD); every rank of it must call.
-        planner: The DCP load planner (default: ``SafeLoadPlanner``, which loads non-tensor
-            items with ``weights_only=True``).
-        strict: Refuse a checkpoint holding keys the ranks' targets together lack inside a
-            section they load; False leaves those entries out.
-        in_place: Skip the staging copies (half the peak memory; a failure inside DCP then
-            leaves the state partly overwritten, everything verifiable having been verified
-            before).
-
-    Returns:
-        The checkpoint's completion marker (``{}`` for a plain DCP checkpoint loaded with
-            ``require_marker=False``).
-
-    Raises:
-        IncompleteCheckpointError: On every rank, nothing changed: the save never finished
-            (or a plain DCP checkpoint with ``require_marker=True``).
-        CorruptCheckpointError: On every rank, nothing changed: missing, truncated or replaced
-            files, a ``.metadata`` from another run, a checksum mismatch.
-        FileNotFoundError: On every rank, nothing changed: no checkpoint there.
-        StateDictMismatchError: On every rank, nothing changed: a target key missing from the
-            checkpoint or with another global shape or dtype, or (``strict=True``) checkpoint
-            keys the targets lack.
-        RankDisagreementError: On every rank, nothing changed: the ranks passed different
-            ``directory`` paths or targets that do not fit together.
-        UnsafeCheckpointError: On every rank: ``.metadata`` or a non-tensor item asks the
-            unpickler for something outside the allow-list.
-        RuntimeError: ``dcp.load`` failed on some rank (nothing was loaded, or with
-            ``in_place=True`` the state is partly loaded), or a checkpoint collective failed or
-            timed out.
-    """
-    rank, world, _ = dist_info(process_group)
-    given = os.path.abspath(os.fspath(directory))
-    path = resolve(given)
-    err: Failure | None = None
-    marker: dict = {}
-    metadata: Any = None
-    sig: dict = {}
-    digest: list[int] = []
-    ckpt_keys: list[str] = []
+def _on_disk(final: str, save_id: str | None) -> str:
+    """What the disk holds for ``final`` after the publish verdict could not be agreed."""
     try:
-        target_flat = flat(state_dict)
-        sig = signatures(state_dict, values=False)
-        digest = sig_digest(sig, given)
-        marker = check_checkpoint(
-            given,
-            verify_checksums=verify_checksums,
-            require_marker=require_marker,
-            _part=(rank, world),
+        with open(os.path.join(final, COMPLETE_MARKER)) as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        marker = None
+    if isinstance(marker, dict) and save_id is not None and marker.get("save_id") == save_id:
+        return (
+            f"On disk: this save WAS published: {final} is complete (its completion marker "
+            f"carries this save's id {save_id}) and loads; only the ranks' final agreement on "
+            "it failed."
         )
-        metadata = safe_read_metadata(path)  # once: the checks here and dcp.load's reader
-        errors, ckpt_keys = check_targets(path, target_flat, metadata)
-        if errors:
-            err = Failure("StateDictMismatchError", ("\n  ".join(errors),))
-    except Exception as exc:
-        err = failure_of(exc)
-    # the rank agreement: ONE all-reduce of the digests; every rank's findings, signatures and
-    # directory only when some rank found something or the digests differ
-    verdict = agreed(err, process_group, digest=digest or [-1, -1], detail=(sig, given))
-    if not verdict.same:
-        assert verdict.details is not None
-        agree_on_directory([d[1] for d in verdict.details], "load from", "nothing was loaded")
-    raise_agreed(verdict, f"refusing to load {path} (nothing was loaded)")
-    ranks = group_ranks(process_group, world)
-    if verdict.same:
-        sigs = [sig]
-        errors = check_uniform(sig, ranks)
-    else:
-        assert verdict.details is not None
-        sigs = [d[0] for d in verdict.details]
-        errors = check_agreement(sigs, ranks)
-    if errors:
-        raise_agreed(
-            {0: Failure("RankDisagreementError", ("\n  ".join(errors[:30]),))},
-            f"ranks disagree on the state dict to load from {path} (nothing loaded)",
+    if os.path.isdir(final + STAGING_SUFFIX):
+        return (
+            f"On disk: Nothing was published: {final} "
+            + ("still holds the previous checkpoint" if os.path.isdir(final) else "does not exist")
+            + f"; this save's files are in {final + STAGING_SUFFIX}."
         )
-    if strict:  # the same file and the same targets on every rank: the same verdict
-        extra = unexpected(ckpt_keys, {k for s in sigs for k in s})
-        if extra:
-            raise_agreed(
-                {
-                    0: Failure(
-                        "StateDictMismatchError",
-                        (
-                            f"the checkpoint holds {len(extra)} key(s) the target lacks, "
-                            f"e.g. {extra[:5]}: it was saved by an optimizer with other options "
-                            "(for example amsgrad=True, loaded into amsgrad=False, which would "
-                            "step without max_exp_avg_sq) or by another model. Build the "
-                            "optimizer and model with the options of the save, or pass "
-                            "strict=False to leave those entries out",
-                        ),
-                    )
-                },
-                f"refusing to load {path} (nothing was loaded)",
-            )
-
-    import torch.distributed.checkpoint as dcp
-
-    target = state_dict if in_place else clone(state_dict)
-    outcome: Failure | None = None
-    try:
-        dcp.load(
-            target,
-            storage_reader=SafeFileSystemReader(path, metadata=metadata),
-            planner=planner if planner is not None else SafeLoadPlanner(),
-            process_group=process_group,
-        )
-    except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        try:
-            raise_unsafe(exc)
-            outcome = Failure(
-                "RuntimeError", (f"dcp.load failed: {type(exc).__name__}: {str(exc)[:2000]}",)
-            )
-        except UnsafeCheckpointError as unsafe:
-            outcome = failure_of(unsafe)
-    state = "partly loaded (in_place=True)" if in_place else "nothing was loaded"
-    raise_agreed(agreed(outcome, process_group), f"loading {path} failed ({state})")
-    if not in_place:
-        swap_in(state_dict, target)
-    return marker
+    return f"On disk: {checkpoint_status(final)[1]}"

@@ -1,7 +1,10 @@
-"""The staged load: the load target checked against the checkpoint, then loaded into copies.
+"""``load_checkpoint``, the staged load: the load target checked against the checkpoint, then
+loaded into copies swapped in only once every rank loaded.
 
-Map: ``check_targets`` (every key of the target in the checkpoint's metadata, with its global
-shape and dtype; ``_layout_hint`` for a ``param_to_group_meta`` in another layout);
+Map: ``load_checkpoint`` (the agreement, then ``dcp.load`` into copies, then ``swap_in``);
+``check_chunks`` (the chunks ``.metadata`` lists for each tensor to load tile its global
+shape exactly); ``check_targets`` (every key of the target in the checkpoint's metadata, with
+its global shape and dtype; ``_layout_hint`` for a ``param_to_group_meta`` in another layout);
 ``unexpected`` (checkpoint keys the ranks' targets together lack inside a section they load);
 ``clone`` (the staging copy DCP loads into) and ``swap_in`` (the copy written into the live
 target, tensors in place, once every rank loaded).
@@ -9,12 +12,37 @@ target, tensors in place, once every rank loaded).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["check_targets", "clone", "swap_in", "unexpected"]
+from .._infra.agreement import Failure, failure_of
+from . import _async
+from ._consensus import (
+    agree_on_directory,
+    agreed,
+    check_agreement,
+    check_uniform,
+    dist_info,
+    flat,
+    group_ranks,
+    raise_agreed,
+    sig_digest,
+    signatures,
+)
+from ._integrity import check_checkpoint, resolve
+from ._safe import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    UnsafeCheckpointError,
+    raise_unsafe,
+    safe_read_metadata,
+)
+
+__all__ = ["check_chunks", "check_targets", "clone", "load_checkpoint", "swap_in", "unexpected"]
 
 
 def check_targets(path: str, flat: dict[str, Any], metadata: Any) -> tuple[list[str], list[str]]:
@@ -55,6 +83,72 @@ def check_targets(path: str, flat: dict[str, Any], metadata: Any) -> tuple[list[
                 f"{value.dtype}"
             )
     return errors[:30], sorted(md)
+
+
+def check_chunks(flat: dict[str, Any], metadata: Any, limit: int = 30) -> list[str]:
+    """For every tensor key of the load target, the chunks the checkpoint's ``metadata`` lists
+    must tile its global shape exactly: each inside the shape, none overlapping, their volumes
+    adding up to the whole. DCP reads only the overlap of each chunk with the target's shard, so
+    a chunk whose offset or size was rewritten (a hand-edited ``.metadata`` whose marker and
+    checksums were rewritten to match, a faulty writer) would leave part of the target as it
+    was, live values beside saved ones, with no error: a factored entry such as Adafactor's
+    ``row_var``, one Replicate chunk, would come back as live rows followed by saved rows."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    md = metadata.state_dict_metadata
+    errors: list[str] = []
+    for key, value in flat.items():
+        item = md.get(key)
+        if not isinstance(value, torch.Tensor) or item is None:
+            continue
+        if isinstance(item, BytesStorageMetadata):
+            continue  # check_targets reports it
+        problem = _tiling_problem(tuple(item.size), item.chunks)
+        if problem:
+            errors.append(
+                f"{key!r}: the checkpoint's chunks do not tile its global shape "
+                f"{list(item.size)}: {problem}. Its .metadata was edited or written by a faulty "
+                "writer; loading it would mix saved and live values. Load another checkpoint"
+            )
+            if len(errors) >= limit:
+                break
+    return errors
+
+
+def _tiling_problem(shape: tuple[int, ...], chunks: Any) -> str:
+    """Why ``chunks`` (``offsets``, ``sizes``) do not tile ``shape`` exactly, or ``""``."""
+    total = 1
+    for d in shape:
+        total *= d
+    boxes = []
+    volume = 0
+    for c in chunks:
+        off, size = tuple(c.offsets), tuple(c.sizes)
+        if len(off) != len(shape) or len(size) != len(shape):
+            return f"a chunk at {list(off)} of size {list(size)} has another number of dims"
+        if any(o < 0 or n < 0 or o + n > d for o, n, d in zip(off, size, shape, strict=True)):
+            return f"the chunk at {list(off)} of size {list(size)} reaches outside it"
+        n = 1
+        for x in size:
+            n *= x
+        volume += n
+        if n:
+            boxes.append((off, size))
+    if volume != total:
+        return f"they hold {volume} elements, the shape {total}"
+    if len(shape) == 0:
+        return "" if len(boxes) <= 1 else "a scalar saved in more than one chunk"
+    # equal volumes: they tile it iff no two overlap (a sweep along dim 0)
+    boxes.sort(key=lambda b: b[0][0])
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for off, size in boxes:
+        active = [b for b in active if b[0][0] + b[1][0] > off[0]]
+        for o2, s2 in active:
+            pairs = zip(off, size, o2, s2, strict=True)
+            if all(a < b2 + n2 and b2 < a + n for a, n, b2, n2 in pairs):
+                return f"the chunks at {list(o2)} and {list(off)} overlap"
+        active.append((off, size))
+    return ""
 
 
 def _layout_hint(missing: list[str], md: Mapping) -> str:
@@ -118,3 +212,174 @@ def swap_in(live: Any, staged: Any) -> None:
             swap_in(old, new)
         elif new is not old:
             live[key] = new
+
+
+def load_checkpoint(
+    state_dict: Mapping[str, Any],
+    directory: str | os.PathLike,
+    *,
+    verify_checksums: bool = True,
+    require_marker: bool = True,
+    process_group: dist.ProcessGroup | None = None,
+    planner: Any = None,
+    strict: bool = True,
+    in_place: bool = False,
+) -> dict:
+    """``dcp.load`` into ``state_dict``, all or nothing, after proving the checkpoint whole.
+
+    Every rank of ``process_group`` calls it, with the same ``directory``. Before DCP reads
+    anything: ``check_checkpoint()`` (completeness, file sizes, ``.metadata`` hash, the CRC32
+    of every item, tensor and non-tensor, the reads split over the ranks), the ``.metadata``
+    unpickled with an allow-list, every key of ``state_dict`` present with its global shape and
+    dtype, and, with ``strict=True``, no checkpoint key the ranks' targets together lack inside
+    a section they load (``optimizer.state.<fqn>.max_exp_avg_sq`` saved with ``amsgrad=True``,
+    loaded into ``amsgrad=False``: the optimizer would step with half its state). ONE
+    ``all_gather_object`` shares every rank's findings and directory; if any rank found anything,
+    every rank raises and nothing changed.
+
+    Then ``dcp.load`` with ``SafeFileSystemReader`` and ``SafeLoadPlanner`` into
+    staging copies of ``state_dict``'s tensors; one more small collective agrees that every rank
+    loaded, and only then are the copies written into ``state_dict`` (tensors in place, so the
+    live optimizer state it shares storage with changes at that moment, on every rank or on
+    none).
+
+    Args:
+        state_dict: The load target, for example ``{"optimizer":
+            opt.sharded_state_dict(is_loading=True), ...}``; filled in place.
+        directory: The checkpoint directory; the same path on every rank.
+        verify_checksums: Recompute the CRC32 of every item the save recorded (the reads
+            split over the ranks).
+        require_marker: Refuse a plain DCP checkpoint without this package's completion
+            marker (``False`` loads it, its integrity then resting on DCP alone).
+        process_group: The ranks that load (default WORLD); every rank of it must call.
+        planner: The DCP load planner (default: ``SafeLoadPlanner``, which loads non-tensor
+            items with ``weights_only=True``).
+        strict: Refuse a checkpoint holding keys the ranks' targets together lack inside a
+            section they load; False leaves those entries out.
+        in_place: Skip the staging copies (half the peak memory; a failure inside DCP then
+            leaves the state partly overwritten, everything verifiable having been verified
+            before).
+
+    Returns:
+        The checkpoint's completion marker (``{}`` for a plain DCP checkpoint loaded with
+            ``require_marker=False``).
+
+    Raises:
+        IncompleteCheckpointError: On every rank, nothing changed: the save never finished
+            (or a plain DCP checkpoint with ``require_marker=True``).
+        CorruptCheckpointError: On every rank, nothing changed: missing, truncated or replaced
+            files, a ``.metadata`` from another run, a checksum mismatch, chunks in
+            ``.metadata`` that do not tile a target tensor's global shape.
+        FileNotFoundError: On every rank, nothing changed: no checkpoint there.
+        StateDictMismatchError: On every rank, nothing changed: a target key missing from the
+            checkpoint or with another global shape or dtype, or (``strict=True``) checkpoint
+            keys the targets lack.
+        RankDisagreementError: On every rank, nothing changed: the ranks passed different
+            ``directory`` paths or targets that do not fit together.
+        UnsafeCheckpointError: On every rank: ``.metadata`` or a non-tensor item asks the
+            unpickler for something outside the allow-list.
+        RuntimeError: ``dcp.load`` failed on some rank (nothing was loaded, or with
+            ``in_place=True`` the state is partly loaded), a checkpoint collective failed or
+            timed out, or (on every rank, nothing loaded) an asynchronous save failed and its
+            handle's ``wait()`` never raised it. An asynchronous save in flight is waited for
+            first.
+    """
+    rank, world, _ = dist_info(process_group)
+    given = os.path.abspath(os.fspath(directory))
+    err: Failure | None = _async.settle()  # a save in flight: wait; its unreported error
+    path = resolve(given)
+    marker: dict = {}
+    metadata: Any = None
+    sig: dict = {}
+    digest: list[int] = []
+    ckpt_keys: list[str] = []
+    try:
+        target_flat = flat(state_dict)
+        sig = signatures(state_dict, values=False)
+        digest = sig_digest(sig, given)
+        marker = check_checkpoint(
+            given,
+            verify_checksums=verify_checksums,
+            require_marker=require_marker,
+            _part=(rank, world),
+        )
+        metadata = safe_read_metadata(path)  # once: the checks here and dcp.load's reader
+        errors, ckpt_keys = check_targets(path, target_flat, metadata)
+        if errors:
+            err = err or Failure("StateDictMismatchError", ("\n  ".join(errors),))
+        torn = check_chunks(target_flat, metadata)
+        if torn:
+            err = err or Failure("CorruptCheckpointError", (f"{path}:", *torn))
+    except Exception as exc:
+        err = err or failure_of(exc)
+    # the rank agreement: ONE all-reduce of the digests; every rank's findings, signatures and
+    # directory only when some rank found something or the digests differ
+    verdict = agreed(err, process_group, digest=digest or [-1, -1], detail=(sig, given))
+    if not verdict.same:
+        assert verdict.details is not None
+        agree_on_directory([d[1] for d in verdict.details], "load from", "nothing was loaded")
+    raise_agreed(verdict, f"refusing to load {path} (nothing was loaded)")
+    ranks = group_ranks(process_group, world)
+    if verdict.same:
+        sigs = [sig]
+        errors = check_uniform(sig, ranks)
+    else:
+        assert verdict.details is not None
+        sigs = [d[0] for d in verdict.details]
+        errors = check_agreement(sigs, ranks)
+    if errors:
+        raise_agreed(
+            {0: Failure("RankDisagreementError", ("\n  ".join(errors[:30]),))},
+            f"ranks disagree on the state dict to load from {path} (nothing loaded)",
+        )
+    if strict:  # the same file and the same targets on every rank: the same verdict
+        extra = unexpected(ckpt_keys, {k for s in sigs for k in s})
+        if extra:
+            raise_agreed(
+                {
+                    0: Failure(
+                        "StateDictMismatchError",
+                        (
+                            f"the checkpoint holds {len(extra)} key(s) the target lacks, "
+                            f"e.g. {extra[:5]}: it was saved by an optimizer with other options "
+                            "(for example amsgrad=True, loaded into amsgrad=False, which would "
+                            "step without max_exp_avg_sq) or by another model. Build the "
+                            "optimizer and model with the options of the save, or pass "
+                            "strict=False to leave those entries out",
+                        ),
+                    )
+                },
+                f"refusing to load {path} (nothing was loaded)",
+            )
+
+    import torch.distributed.checkpoint as dcp
+
+    target = state_dict if in_place else clone(state_dict)
+    outcome: Failure | None = None
+    try:
+        # DCP's default load plan is made by each rank alone (its central step changes
+        # nothing); with our planner every rank reads on its own, without DCP's plan gather and
+        # scatter (pickles of every read item) and read gather: the agreements before and after
+        # stand in for them. A planner of yours gets DCP's collectives.
+        dcp.load(
+            target,
+            storage_reader=SafeFileSystemReader(path, metadata=metadata),
+            planner=planner if planner is not None else SafeLoadPlanner(),
+            process_group=process_group,
+            no_dist=planner is None or type(planner) is SafeLoadPlanner,
+        )
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        try:
+            raise_unsafe(exc)
+            outcome = Failure(
+                "RuntimeError", (f"dcp.load failed: {type(exc).__name__}: {str(exc)[:2000]}",)
+            )
+        except UnsafeCheckpointError as unsafe:
+            outcome = failure_of(unsafe)
+    state = "partly loaded (in_place=True)" if in_place else "nothing was loaded"
+    raise_agreed(agreed(outcome, process_group), f"loading {path} failed ({state})")
+    if not in_place:
+        swap_in(state_dict, target)
+    return marker

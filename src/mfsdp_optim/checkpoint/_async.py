@@ -1,0 +1,255 @@
+"""The asynchronous save: the state copied off the live tensors, then written in the background.
+
+Map: ``SaveHandle`` (what ``save_checkpoint(..., asynchronous=True)`` returns: ``wait``,
+``done``); ``stage`` (the copy, through torch's ``StateDictStager``: pinned host memory where
+CUDA is, storages reused from one save to the next); ``background_group`` (a gloo group of the
+saving ranks, made once per group, for the background's collectives, so they never interleave
+with training's); ``start`` (hands the staged copy to ``torch.distributed.checkpoint.async_save``
+and finishes the save, checksums and publish included, on a background thread); ``settle`` (the
+next save or load first waits for the one in flight and takes its error if ``wait`` never
+raised it).
+
+One save is in flight per process at a time: every collective of the background runs on the
+background group, in the order of the saves, which is the same on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent import futures
+from concurrent.futures import Future
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._infra.agreement import Failure
+
+__all__ = ["SaveHandle", "background_group", "settle", "stage", "start"]
+
+
+class SaveHandle:
+    """An asynchronous ``save_checkpoint`` in flight (returned by ``asynchronous=True``).
+
+    The state was copied off the live tensors before ``save_checkpoint`` returned: training may
+    step and change params, optimizer state and hyperparameters while the write proceeds; what
+    is written is the copy. The checkpoint appears under ``directory`` only once every rank's
+    files are complete, exactly as with the synchronous save.
+
+    Attributes:
+        directory: The absolute path the checkpoint is published under.
+        blocking_s: How long ``save_checkpoint`` blocked the caller (agreement and copy).
+    """
+
+    def __init__(self, directory: str, future: Future, blocking_s: float):
+        self.directory = directory
+        self.blocking_s = blocking_s
+        self._future = future
+        self._reported = False  # wait() raised the error (the next call need not)
+
+    def done(self) -> bool:
+        """True once the save finished on this rank (published, or failed)."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until the save finished on this rank; the published directory.
+
+        Args:
+            timeout: Seconds to wait at most (None: until it finishes).
+
+        Returns:
+            The published checkpoint directory (absolute), on every rank.
+
+        Raises:
+            TimeoutError: The save is still running after ``timeout`` seconds (it goes on;
+                call ``wait`` again).
+            RuntimeError: Or the other errors of ``save_checkpoint``: the save failed, on
+                every rank (nothing was published, the previous checkpoint is untouched), or a
+                rank failed after the publish (the message says what is on disk).
+        """
+        futures.wait([self._future], timeout=timeout)
+        if not self._future.done():
+            raise TimeoutError(
+                f"the asynchronous save of {self.directory} is still running after "
+                f"{timeout} s; it goes on in the background (call wait() again)"
+            )
+        exc = self._future.exception()
+        if exc is not None:
+            self._reported = True
+            raise exc
+        return self.directory
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else "failed" if self._future.exception() else "done"
+        return f"SaveHandle({self.directory!r}, {state})"
+
+
+_LOCK = threading.Lock()
+_IN_FLIGHT: SaveHandle | None = None
+_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_STAGER: Any = None
+
+
+def settle() -> Failure | None:
+    """Wait for the save in flight on this process, if any; its error as a ``Failure`` when
+    ``wait()`` never raised it (the next save or load refuses with it on every rank)."""
+    global _IN_FLIGHT
+    with _LOCK:
+        handle, _IN_FLIGHT = _IN_FLIGHT, None
+    if handle is None:
+        return None
+    exc = handle._future.exception()  # blocks until it finished: a second save waits
+    if exc is None or handle._reported:
+        return None
+    handle._reported = True
+    return Failure(
+        "RuntimeError",
+        (
+            f"the previous asynchronous save of {handle.directory} failed and its handle's "
+            f"wait() never reported it: {type(exc).__name__}: {str(exc)[:1500]}",
+        ),
+    )
+
+
+def _timeout_of(group: dist.ProcessGroup | None) -> timedelta | None:
+    pg = group if group is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout  # type: ignore[union-attr]
+        except Exception:  # noqa: S112 - this backend has no such option, try the next
+            continue
+    return None
+
+
+def background_group(group: dist.ProcessGroup | None, ranks: list[int]) -> dist.ProcessGroup:
+    """A gloo group of ``ranks`` (the saving group's), with its timeout, made the first time
+    (every rank of the group calls this at the same point of ``save_checkpoint``)."""
+    key = tuple(ranks)
+    pg = _GROUPS.get(key)
+    if pg is None:
+        timeout = _timeout_of(group)
+        kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
+        pg = dist.new_group(ranks, backend="gloo", use_local_synchronization=True, **kwargs)
+        _GROUPS[key] = pg
+    return pg
+
+
+def _stager() -> Any:
+    """Where CUDA is: one stager for the process, its pinned host storages kept and reused by the
+    next save of the same tensors (pinning is slow, the copy into pinned memory fast). Elsewhere
+    a fresh one per save, so the copy is freed once written."""
+    global _STAGER
+    from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+
+    if not torch.cuda.is_available():
+        return StateDictStager()
+    if _STAGER is None:
+        _STAGER = StateDictStager(pin_memory=True)
+    return _STAGER
+
+
+_IMMUTABLE = (str, int, float, bool, bytes, type(None))
+
+
+@torch.no_grad()
+def stage(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``state_dict`` that shares nothing mutable with it: every tensor's bytes in
+    host memory (torch's ``StateDictStager``, one copy per storage), a DTensor rebuilt around its
+    staged local tensor with the same mesh and placements, containers copied, other values
+    deep-copied. Ends with the device synchronised, so the copy is complete on return."""
+    from torch.distributed.tensor import DTensor
+
+    from ._table import GroupMetaTable
+
+    stager = _stager()
+    memo: dict[int, Any] = {}
+
+    def copy_of(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            local = stager.deepcopy_with_tensor_offload(value._local_tensor, memo)
+            return DTensor(local, value._spec, requires_grad=False)
+        if isinstance(value, torch.Tensor):
+            return stager.deepcopy_with_tensor_offload(value.detach(), memo)
+        if isinstance(value, Mapping) and not isinstance(value, GroupMetaTable):
+            return {k: copy_of(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [copy_of(v) for v in value]
+        if isinstance(value, tuple) and type(value) is tuple:
+            return tuple(copy_of(v) for v in value)
+        if isinstance(value, _IMMUTABLE + (GroupMetaTable,)):  # the table is read-only
+            return value
+        return copy.deepcopy(value)
+
+    out = {k: copy_of(v) for k, v in state_dict.items()}
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out
+
+
+class _AlreadyStaged:
+    """The ``AsyncStager`` handed to ``async_save``: the state was staged (and the ranks agreed
+    it was) before, so nothing is copied again."""
+
+    _synchronize_after_execute = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def start(
+    directory: str,
+    staged: dict[str, Any],
+    writer: Any,
+    group: dist.ProcessGroup,
+    finish: Callable[[BaseException | None], str],
+    blocking_t0: float,
+) -> SaveHandle:
+    """``async_save`` of ``staged`` on ``group`` (the background group), then ``finish`` (the
+    checksums, the report gather and the publish, on ``group`` too) on a background thread;
+    ``finish`` gets DCP's error, if any, and raises or returns the published directory."""
+    global _IN_FLIGHT
+    import torch.distributed.checkpoint as dcp
+
+    result: Future = Future()
+    dcp_future: Any
+    try:
+        dcp_future = dcp.async_save(
+            staged,
+            storage_writer=writer,
+            process_group=group,
+            async_stager=_AlreadyStaged(),  # type: ignore[arg-type]
+        )
+    except BaseException as exc:  # noqa: BLE001 - handed to finish, which agrees on it
+        dcp_future = Future()
+        dcp_future.set_exception(exc)
+
+    def run() -> None:
+        try:
+            err = None
+            try:
+                dcp_future.result()
+            except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException included
+                err = exc
+            result.set_result(finish(err))
+        except BaseException as exc:  # noqa: BLE001 - every error goes to the handle
+            result.set_exception(exc)
+
+    handle = SaveHandle(directory, result, time.perf_counter() - blocking_t0)
+    with _LOCK:
+        _IN_FLIGHT = handle
+    threading.Thread(target=run, name="mfsdp-async-save", daemon=True).start()
+    return handle
