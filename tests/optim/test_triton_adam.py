@@ -17,7 +17,7 @@ import itertools
 import pytest
 import torch
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+cuda = pytest.mark.cuda  # skipped without a CUDA device (tests/conftest.py)
 
 SHAPES = [(1000, 33), (0, 8), (5,), (2048,), (3, 1025), (1,), (4097,)]
 

@@ -18,7 +18,7 @@ import torch
 from mfsdp_optim.stats import _fused
 from mfsdp_optim.stats._math import shard_contribution as reference
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+cuda = pytest.mark.cuda  # skipped without a CUDA device (tests/conftest.py)
 
 NORMS = [2.0, 1.0, 3.0, 0.5, math.inf, 1.5]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

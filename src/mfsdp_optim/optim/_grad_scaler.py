@@ -162,9 +162,10 @@ class GradScaler:
         pair = self._cache.get(device)
         if pair is None:
             self._pull()
+            # fill kernels, not host-to-device copies (which wait for the stream: a sync)
             pair = (
-                torch.tensor(self._scale_value, dtype=torch.float32, device=device),
-                torch.tensor(1.0 / self._scale_value, dtype=torch.float32, device=device),
+                torch.full((), self._scale_value, dtype=torch.float32, device=device),
+                torch.full((), 1.0 / self._scale_value, dtype=torch.float32, device=device),
             )
             self._cache[device] = pair
         return pair
