@@ -55,15 +55,25 @@ step tests 240 40 "$py" -m pytest tests -m cuda -rs -q --timeout=120 -p no:cache
 cd benchmarks
 step bench_step 90 12 "$py" bench_step.py --sets 3000x512x256 --count-scale 0.1 \
     --modes fused,foreach --iters 5 --warmup 2
+step bench_step_host 150 6 "$py" bench_step.py --host-time --host-counts 300,3000,30000 \
+    --iters 10 --warmup 2
 step bench_step_llama 90 8 "$py" bench_step.py --model llama1b --scale 0.05 \
     --count-scale 0.125 --modes fused --iters 3 --warmup 2
-step bench_loop 120 12 "$py" bench_loop.py --layers 2 --iters 5 --warmup 3 --rounds 2
+step bench_loop 120 14 "$py" bench_loop.py --layers 2 --iters 5 --warmup 3 --rounds 2
 step bench_stats 90 8 "$py" bench_stats.py --scale 0.05 --warmup 2 --repeats 5
 step bench_triton_adam 60 8 "$py" bench_triton_adam.py --iters 3
 step bench_muon 60 6 "$py" bench_muon.py --device cuda --layers 1 --steps 2 --scale 4
 step bench_agreement 60 8 "$py" bench_agreement.py --backend nccl --world 1 --warmup 5 \
     --repeats 20
 cd ..
+
+# the ratios of the smoke runs (smoke sizes: indicative only; scripts/gpu_bench.sh for figures)
+{
+    echo "--- ratios (smoke sizes)"
+    grep -h "fused: floor" "$out/bench_step.log" 2>/dev/null
+    grep -h "host time of one step" "$out/bench_step_host.log" 2>/dev/null
+    grep -h "median of .* rounds\|capture(s)" "$out/bench_loop.log" 2>/dev/null
+} | tee -a "$summary"
 
 echo "--- summary ($summary)"
 cat "$summary"
