@@ -36,6 +36,10 @@ def test_inputs_compare_objects_by_identity_and_values_by_equality():
     assert not base.same(Inputs([a, torch.zeros(2)], (1.0, "x")))  # equal values, new object
     assert not base.same(Inputs([a, b], (2.0, "x")))
     assert not base.same(Inputs([a], (1.0, "x")))
+    long = Inputs([a], (), [[a, b]])
+    assert long.same(Inputs([a], (), [[a, b]])) and long.same_head(Inputs([a], ()))
+    assert not long.same(Inputs([a], (), [[a, torch.zeros(2)]]))
+    assert not long.same(Inputs([a], (), [[a]]))
 
 
 def test_scalar_slots_upload_only_what_changed():
@@ -75,22 +79,35 @@ def test_step_graph_decisions():
     def current():
         return now["inputs"]
 
-    assert g.plan(current) == "capture"
+    def still_valid(captured):
+        return captured.same(current())
+
+    assert g.plan(still_valid) == "capture"
     runner.capture(lambda: "ran")
     g.captured_with(current(), keep=[])
     for _ in range(MIN_REPLAYS):
-        assert g.plan(current) == "replay"
+        assert g.plan(still_valid) == "replay"
         assert g.replay() == "ran"
     now["inputs"] = Inputs([object()], (1,))  # a grad moved, after enough replays
-    assert g.plan(current) == "capture" and not g.captured
+    assert g.plan(still_valid) == "capture" and not g.captured
     g.captured_with(current(), keep=[])
     now["inputs"] = Inputs([object()], (1,))  # moved again before MIN_REPLAYS replays
     with pytest.warns(RuntimeWarning, match="inputs changed after 0 replay"):
-        assert g.plan(current) == "eager"
-    assert g.plan(current) == "eager" and g.disabled
+        assert g.plan(still_valid) == "eager"
+    assert g.plan(still_valid) == "eager" and g.disabled
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         g.disable("again")  # one warning only
+    g = StepGraph(EagerRunner())
+    g.blocked("not now")  # the first blocked attempt: the next step tries again
+    assert g.disabled is None and g.plan(still_valid) == "capture"
+    g.captured_with(current(), keep=[])
+    g.drop()
+    g.blocked("not now")  # a capture in between: again one more try
+    assert g.disabled is None
+    with pytest.warns(RuntimeWarning, match="not now"):
+        g.blocked("not now")
+    assert g.plan(still_valid) == "eager"
 
 
 def test_config_needs_host_sync_false_and_is_keyword_only():
@@ -183,7 +200,9 @@ def _same(a, b):
     return True
 
 
-def _rank_trajectory(move_at: int | None, set_to_none: bool, scaler: bool):
+def _rank_trajectory(
+    move_at: int | None, set_to_none: bool, scaler: bool, move_param: bool = False
+):
     """Ten steps of both wrappers on the same grads, an lr schedule halving the lr every other
     step, an inf planted at step 4 (with a scaler): the captured one must match bit for bit."""
     from mfsdp_optim import DynamicGradScaler
@@ -203,7 +222,12 @@ def _rank_trajectory(move_at: int | None, set_to_none: bool, scaler: bool):
             if scaler and step == 4:
                 fulls[0].view(-1)[0] = float("inf")
             for ps in (pc, pe):
-                _set_grads(ps, fulls, mesh, in_place=not set_to_none and step != move_at)
+                moved = step == move_at
+                if moved and move_param:  # a param's local tensor replaced (same values)
+                    ps[0]._local_tensor = ps[0]._local_tensor.clone()
+                _set_grads(
+                    ps, fulls, mesh, in_place=not set_to_none and not (moved and not move_param)
+                )
             rc, re_ = wc.step(), we.step()
             assert torch.equal(rc[1], re_[1]) or (rc[1].isnan() and re_[1].isnan()), step
             assert bool(rc[0]) == bool(re_[0]), step
@@ -245,6 +269,14 @@ def test_moved_grad_is_captured_again(ranks):
     for out in ranks(2).run(_rank_trajectory, 5, False, True):
         # captured at the first step, again at the very step whose grads are new objects
         assert out["history"] == [1] * 5 + [2] * 5, out["history"]
+        assert out["disabled"] is None and not out["warnings"], out
+
+
+def test_moved_param_is_captured_again(ranks):
+    for out in ranks(2).run(_rank_trajectory, 5, False, True, True):
+        # the step whose param moved runs the generic path (the fast caches are rebuilt): it
+        # cannot be captured, the next step is
+        assert out["history"] == [1] * 6 + [2] * 4, out["history"]
         assert out["disabled"] is None and not out["warnings"], out
 
 

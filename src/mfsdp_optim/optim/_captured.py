@@ -7,7 +7,8 @@ memory, asks ``_graph.StepGraph`` what to do with this step, then
   graph launched, the host-side effects of a step applied (stage, counters) and the returned
   tensors cloned (a replay rewrites the graph's own);
 * captures: one eager step on the graph's side stream (this call's update), the checks that
-  it can be captured (``blocker``), then the capture itself (nothing runs);
+  it can be captured (``blocker``: if not, the next step tries again, then it runs eagerly),
+  then the capture itself (nothing runs);
 * or runs the body eagerly.
 
 ``inputs()`` lists what a capture reads (checked before every replay): the param and grad
@@ -20,6 +21,7 @@ Why and what a training loop must do: docs/concepts.md, "The captured step".
 from __future__ import annotations
 
 from operator import attrgetter
+from operator import is_ as _is
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -104,14 +106,12 @@ class CapturedStep:
         """One ``step()`` (after its closure and stage checks): replay, capture or eager."""
         self._update_lr()
         graph = self.graph
-        action = graph.plan(self.inputs)
+        action = graph.plan(self.still_valid)
         if action == "replay":
             self._refresh_tables()
             out = graph.replay()
-            w = self.wrapper
             if not isinstance(graph.runner, EagerRunner):  # (that one ran the body itself)
-                self.counters.replayed()
-                w._stage, w.last_update_successful = self.after
+                self._replayed()
             return tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in out)
         if action == "eager":
             return body()
@@ -123,7 +123,7 @@ class CapturedStep:
         out = graph.runner.warm(body)  # this call's step, eagerly, where the capture will run
         reason = self.blocker(fast_before)
         if reason is not None:
-            graph.disable(reason)
+            graph.blocked(reason)
             return out
         before = self.inputs()
         self.counters.begin()
@@ -148,6 +148,19 @@ class CapturedStep:
         return out
 
     # ------------------------------------------------------------------------ the bookkeeping
+
+    def _replayed(self) -> None:
+        """The host-side effects of the step a replay ran: the stage, the last result, the
+        counters, and the scaler's word that its device copy moved on (what its device update
+        says when it runs eagerly: the host fields are stale, copies on other devices too)."""
+        w = self.wrapper
+        self.counters.replayed()
+        w._stage, w.last_update_successful = self.after
+        scaler = w.grad_scaler
+        if scaler is not None and scaler._device:
+            scaler._device_stale = True
+            pair = scaler._cache.get(self.device)
+            scaler._cache = {self.device: pair} if pair is not None else {}
 
     def _update_lr(self) -> None:
         """Each group's lr into its device slot (an upload only when one changed)."""
@@ -205,11 +218,33 @@ class CapturedStep:
                     return f"param group {gi} of {name} holds a tensor or list hyperparameter"
         return None
 
-    def inputs(self) -> Inputs:
-        """What the capture reads (see the module docstring)."""
+    def still_valid(self, captured: Inputs) -> bool:
+        """``inputs() .same(captured)`` without building the long lists: the O(groups) part
+        first, then every param's grad and local tensor compared by identity as read."""
+        if not captured.same_head(self.inputs(lists=False)):
+            return False
+        lists = iter(captured.lists)
+        for e in self.wrapper._engines:
+            plan = e.preparer.plan
+            if plan is None:
+                continue
+            params, grads, locals_ = next(lists), next(lists), next(lists)
+            if params is not plan.params:
+                return False
+            with torch._C.DisableTorchFunctionSubclass():
+                if not all(map(_is, map(_grad_of, params), grads)):
+                    return False
+            if not all(map(_is, map(_local_of, params), locals_)):
+                return False
+        return True
+
+    def inputs(self, lists: bool = True) -> Inputs:
+        """What the capture reads (see the module docstring); ``lists``: with every param's
+        grad and local tensor (O(params))."""
         w = self.wrapper
         cfg, scaler = w.config, w.grad_scaler
         objects: list[Any] = [cfg, cfg.grad_stats_group, scaler]
+        long: list[list[Any]] = []
         values: list[Any] = [
             cfg.clip_grad,
             cfg.norm_type,
@@ -234,11 +269,11 @@ class CapturedStep:
                 values.append(tuple(v for k, v in g.items() if k not in ("params", "lr")))
             if fast._groups is not None:
                 objects.extend([gc.triton_table for gc in fast._groups])
-            if plan is not None:  # O(params): the grads and the params' local tensors
+            if plan is not None and lists:  # O(params): the grads, the params' local tensors
                 with torch._C.DisableTorchFunctionSubclass():
-                    objects.extend(map(_grad_of, plan.params))
-                objects.extend(map(_local_of, plan.params))
-        return Inputs(objects, tuple(values))
+                    grads = list(map(_grad_of, plan.params))
+                long += [plan.params, grads, list(map(_local_of, plan.params))]
+        return Inputs(objects, tuple(values), long)
 
     def _keep_alive(self) -> list[Any]:
         """What the graph reads that caches may drop (tables, workspaces, the verdict slots):

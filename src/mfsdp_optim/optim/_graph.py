@@ -37,22 +37,37 @@ MIN_REPLAYS = 2
 
 class Inputs:
     """What a captured step reads: ``objects`` (tensors, lists, caches) must be the very same
-    objects, ``values`` (hyperparameters baked into the graph, versions, flags) equal.
+    objects, ``values`` (hyperparameters baked into the graph, versions, flags) equal, and each
+    of ``lists`` (long lists of objects, e.g. every param's grad) hold the same objects.
 
     Holding the objects keeps them alive, so an identity match can never name a new object
     that took a freed one's id (or its memory)."""
 
-    __slots__ = ("objects", "values")
+    __slots__ = ("objects", "values", "lists")
 
-    def __init__(self, objects: list[Any], values: tuple[Any, ...]):
+    def __init__(
+        self, objects: list[Any], values: tuple[Any, ...], lists: Sequence[list[Any]] = ()
+    ):
         self.objects = objects
         self.values = values
+        self.lists = list(lists)
 
-    def same(self, other: Inputs) -> bool:
+    def same_head(self, other: Inputs) -> bool:
+        """``objects`` and ``values`` match (not ``lists``)."""
         return (
             len(self.objects) == len(other.objects)
             and self.values == other.values
             and all(map(_is, self.objects, other.objects))
+        )
+
+    def same(self, other: Inputs) -> bool:
+        return (
+            self.same_head(other)
+            and len(self.lists) == len(other.lists)
+            and all(
+                len(a) == len(b) and all(map(_is, a, b))
+                for a, b in zip(self.lists, other.lists, strict=True)
+            )
         )
 
 
@@ -179,9 +194,11 @@ class CudaGraphRunner:
     def warm(self, body: Callable[[], Any]) -> Any:
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
-        with torch.cuda.stream(self.stream):
-            out = body()
-        current.wait_stream(self.stream)
+        try:
+            with torch.cuda.stream(self.stream):
+                out = body()
+        finally:
+            current.wait_stream(self.stream)
         for t in out if isinstance(out, tuple) else ():
             if isinstance(t, torch.Tensor) and t.device.type == "cuda":
                 t.record_stream(current)  # made on the side stream, used on the current one
@@ -216,7 +233,7 @@ class StepGraph:
     moved, a baked hyperparameter changed, a cache was rebuilt), the step is captured again,
     unless the capture being replaced ran fewer than ``MIN_REPLAYS`` times: then the inputs move
     every step or so, and every later step runs eagerly (``disable``, one warning). A capture
-    that fails, or a step that cannot be captured (the wrapper's ``blocker``), disables it too.
+    that fails disables it too, as do two steps in a row that cannot be captured (``blocked``).
 
     Args:
         runner: ``CudaGraphRunner`` or ``EagerRunner``.
@@ -229,19 +246,20 @@ class StepGraph:
         self.replays = 0  # of the current capture
         self.captures = 0
         self.disabled: str | None = None  # why every step runs eagerly, once it does
+        self.blocked_once = False  # the last attempt could not capture: the next one decides
 
     @property
     def captured(self) -> bool:
         return self.inputs is not None
 
-    def plan(self, inputs_now: Callable[[], Inputs]) -> str:
-        """``"replay"``, ``"capture"`` or ``"eager"`` for this step (``inputs_now`` is called
-        only when there is a capture to check)."""
+    def plan(self, still_valid: Callable[[Inputs], bool]) -> str:
+        """``"replay"``, ``"capture"`` or ``"eager"`` for this step; ``still_valid(inputs)``
+        tells whether the captured inputs still hold (called only when there is a capture)."""
         if self.disabled is not None:
             return "eager"
         if self.inputs is None:
             return "capture"
-        if self.inputs.same(inputs_now()):
+        if still_valid(self.inputs):
             return "replay"
         replays = self.replays
         self.drop()
@@ -259,6 +277,17 @@ class StepGraph:
         self.inputs, self.keep = inputs, keep
         self.replays = 0
         self.captures += 1
+        self.blocked_once = False
+
+    def blocked(self, reason: str) -> None:
+        """The step just run cannot be captured (``reason``). A change settles in one step (a
+        param that moved sends that step through the generic path while the caches are
+        rebuilt), so the next step tries again; a second attempt in a row that is blocked
+        disables the capture."""
+        self.drop()
+        if self.blocked_once:
+            self.disable(reason)
+        self.blocked_once = True
 
     def replay(self) -> Any:
         out = self.runner.replay()
