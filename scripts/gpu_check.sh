@@ -49,7 +49,7 @@ step() {
 }
 
 # every test marked cuda (tests/conftest.py skips them without a device; -rs lists skips)
-step tests 240 40 "$py" -m pytest tests -m cuda -rs -q --timeout=120 -p no:cacheprovider
+step tests 300 40 "$py" -m pytest tests -m cuda -rs -q --timeout=120 -p no:cacheprovider
 
 # each GPU benchmark, tiny sizes and few iterations (numbers are smoke, not results)
 cd benchmarks
