@@ -62,7 +62,7 @@ step bench_step_llama 90 8 "$py" bench_step.py --model llama1b --scale 0.05 \
 step bench_loop 120 14 "$py" bench_loop.py --layers 2 --iters 5 --warmup 3 --rounds 2
 step bench_stats 90 8 "$py" bench_stats.py --scale 0.05 --warmup 2 --repeats 5
 step bench_triton_adam 60 8 "$py" bench_triton_adam.py --iters 3
-step bench_muon 60 6 "$py" bench_muon.py --device cuda --layers 1 --steps 2 --scale 4
+step bench_muon 60 6 "$py" bench_muon.py --device cuda --layers 1 --steps 2 --scale 4 --cpu-scale 16
 step bench_agreement 60 8 "$py" bench_agreement.py --backend nccl --world 1 --warmup 5 \
     --repeats 20
 cd ..
