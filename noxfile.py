@@ -1,4 +1,4 @@
-"""Developer sessions: nox -s tests | lint | typecheck | demo | bench | docs."""
+"""Developer sessions: nox -s tests | lint | typecheck | demo | bench | docs | gpu."""
 
 from __future__ import annotations
 
@@ -42,6 +42,14 @@ def bench(session: nox.Session) -> None:
     session.install("-e", ".")
     for script in ("bench_stats.py", "bench_step.py", "bench_checkpoint.py"):
         session.run("python", f"benchmarks/{script}", *session.posargs)
+
+
+@nox.session(python=False)
+def gpu(session: nox.Session) -> None:
+    """Every CUDA test and a short smoke run of each GPU benchmark (``scripts/gpu_check.sh``),
+    with the python3 of the machine (torch with CUDA, triton, pytest, hypothesis and
+    pytest-timeout installed; the package from src/). Logs under $OUT or gpu_out/."""
+    session.run("bash", "scripts/gpu_check.sh", *session.posargs, external=True)
 
 
 @nox.session

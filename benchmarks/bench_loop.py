@@ -13,6 +13,9 @@ fused AdamW step, zero_grad:
               (``host_sync=True``, the default: step() returns the norm as a float);
   (c) nosync: the same with ``OptimizerConfig(clip_grad=1.0, host_sync=False)``: the returned
               norm tensors go into a list, read (one stack + tolist) after the loop.
+  (d) graph:  the same with ``cuda_graph=True`` as well (CUDA only): the step captured once and
+              replayed; ``zero_grad(set_to_none=False)``, so FSDP2 accumulates into the same
+              grad tensors and the capture holds (docs/concepts.md, "The captured step").
 
 Timing: all contenders are built and warmed up first; then rounds, each running ``--iters``
 iterations of every contender back to back (the order rotating between rounds), wall clock
@@ -182,7 +185,7 @@ class Contender:
                 self.norms.append(norm)  # already a float
             else:
                 _, norm, _ = opt.step()
-                opt.zero_grad()
+                opt.zero_grad(set_to_none=self.kind != "graph")  # graph: the grads stay put
                 pending.append(norm)  # a 0-d device tensor, read after the loop
         if pending:
             self.norms += torch.stack(pending).tolist()
@@ -289,6 +292,7 @@ def main() -> None:
     for name, kind, pkg in (
         ("wrap", "sync", None),
         ("nosync", "nosync", None),
+        *((("graph", "graph", None),) if device.type == "cuda" else ()),
         *(
             (
                 (f"wrap[{other.__name__}]", "sync", other),
@@ -300,8 +304,11 @@ def main() -> None:
     ):
         mod_fso = FullyShardedOptimizer if pkg is None else pkg.FullyShardedOptimizer
         mod_cfg = OptimizerConfig if pkg is None else pkg.OptimizerConfig
+        extra: dict = {} if kind == "sync" else {"host_sync": False}
+        if kind == "graph":
+            extra["cuda_graph"] = True
         try:
-            cfg = mod_cfg(clip_grad=args.clip, **({} if kind == "sync" else {"host_sync": False}))
+            cfg = mod_cfg(clip_grad=args.clip, **extra)
         except TypeError:
             print(f"{name}: skipped ({pkg.__name__}.OptimizerConfig takes no host_sync)")
             continue
@@ -346,6 +353,12 @@ def main() -> None:
             f", {k}/a {v / a:.3f}" for k, v in ips.items() if k not in ("stock", "wrap", "nosync")
         )
     )
+    for ct in contenders:
+        captured = getattr(ct.opt, "_captured", None)
+        if captured is not None:
+            g = captured.graph
+            state = f"eager since: {g.disabled}" if g.disabled else "captured"
+            print(f"{ct.name}: {g.captures} capture(s), {g.replays} replays of the last; {state}")
     _check(args, contenders, start_loss, batches, noise, noise_start)
     dist.destroy_process_group()
 

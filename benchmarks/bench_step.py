@@ -14,6 +14,8 @@ shape sets: 3000 x (512 x 256) and 300 x (4096 x 1024). For each it times
                (fused mode, CUDA only: elsewhere it is the default),
   (e) grad_stats (``--grad-stats``): ``mfsdp_optim.stats.grad_stats`` alone on the same kind of
                grads, against its own floor (every grad read once: 4 bytes per element),
+  (f) captured: OptimizerConfig(host_sync=False, cuda_graph=True): the step captured in a CUDA
+               graph once and replayed (fused mode, CUDA only; the grads stay in place),
 
 and the floor: 28 bytes/param (AdamW reads p, g, m, v and writes p, m, v in fp32) over the
 measured device copy bandwidth. All contenders are built first (``--one-at-a-time``, the default
@@ -30,6 +32,13 @@ GPU timings use CUDA events; CPU timings use perf_counter.
     python benchmarks/bench_step.py --optimizer apex_fused_adam  # apex FusedAdam as the base
     python benchmarks/bench_step.py --sets 3000x512x256 --modes fused --grad-stats --check-cost
     python benchmarks/bench_step.py --model llama1b --modes fused --back-to-back 4  # host ahead
+    python benchmarks/bench_step.py --host-time           # host time of one step() call only
+
+``--host-time`` measures, instead of the sets, the host time of one ``step()`` call (perf_counter
+around the call, no synchronisation inside it; the device drained before each call) of fused
+AdamW over 300, 3,000 and 30,000 tensors of 16x16 (``--host-counts``), where the device work is
+negligible: the wrapper (host_sync=True), nosync (host_sync=False) and, on CUDA, captured. The
+target of the captured step is 0.1 ms at every count (flat in the tensor count).
 
 ``--optimizer apex_fused_adam`` (apex importable, CUDA) times apex's FusedAdam (adam_w_mode) in
 place of AdamW: one mode, ``apex``, and no ``stock`` cell (its kernels take plain tensors only).
@@ -143,7 +152,9 @@ def _interleaved(device: torch.device, fns: dict, warmup: int, iters: int) -> di
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def _factories(shapes, device, mesh, kw, base_opt, args, other, triton_row, apex, with_clip):
+def _factories(
+    shapes, device, mesh, kw, base_opt, args, other, triton_row, apex, with_clip, captured_row
+):
     """Each contender but bare as a builder: () -> (step fn, wrapper or None, tensors to check).
     The wrapper rows: the default (the Triton update for fused groups on CUDA) and, where that
     differs, torch's kernel (the bit-exact path); then the compared copy's."""
@@ -182,6 +193,8 @@ def _factories(shapes, device, mesh, kw, base_opt, args, other, triton_row, apex
         extras["wrap-torch"] = _TORCH_KERNEL
     for name, extra in extras.items():
         out[name] = wrapper(this, extra)
+    if captured_row:
+        out["captured"] = wrapper(this, {**extras["wrap"], "host_sync": False, "cuda_graph": True})
     if args.grad_stats:
         out["grad_stats"] = stats
     for name, extra in list(extras.items()) if other is not None else ():
@@ -200,6 +213,11 @@ def _note(name, w) -> str:
         if tri and tri.launches
         else ""
     )
+    captured = getattr(w, "_captured", None)
+    if captured is not None:
+        g = captured.graph
+        extra += f", {g.captures} capture(s), {g.replays} replays of the last"
+        extra += f", eager since: {g.disabled}" if g.disabled else ""
     return f"{name}: {w.fast_steps} fast steps, {w.clip_folds} clip folds{extra}"
 
 
@@ -348,6 +366,50 @@ def _check_cost(tensors) -> None:
     print(f"address check: same_addresses ({cpp}) {bulk:.1f} ns/tensor, Python {py:.1f} ns/tensor")
 
 
+def _host_times(device: torch.device, mesh, args) -> None:
+    """Median host time of one ``step()`` call (``--host-time``; the module docstring)."""
+    from mfsdp_optim.optim import FullyShardedOptimizer, OptimizerConfig
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rows = [("wrap", {}), ("nosync", {"host_sync": False})]
+    if device.type == "cuda":
+        rows.append(("captured", {"host_sync": False, "cuda_graph": True}))
+    for count in (int(c) for c in args.host_counts.split(",")):
+        ms: dict[str, float] = {}
+        notes = []
+        for name, extra in rows:
+            ps = _make_shapes([(16, 16)] * count, device, mesh, 2)[1]
+            w = FullyShardedOptimizer(
+                torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, fused=True),
+                OptimizerConfig(clip_grad=args.clip, **extra),
+            )
+            for _ in range(args.warmup + 1):  # the first step creates the state (and captures)
+                w.step()
+            times = []
+            for _ in range(args.iters):
+                sync()  # drained before, not inside, the timed call
+                t0 = time.perf_counter()
+                w.step()
+                times.append(time.perf_counter() - t0)
+            sync()
+            ms[name] = statistics.median(times) * 1e3
+            notes.append(_note(name, w))
+            del w, ps
+        cells = ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items())
+        ratios = ""
+        if "captured" in ms:
+            c = ms["captured"]
+            verdict = "within" if c <= 0.1 else "OVER"
+            ratios = (
+                f" | captured/wrap {c / ms['wrap']:.3f}, captured/nosync "
+                f"{c / ms['nosync']:.3f}; captured {verdict} the 0.1 ms target"
+            )
+        print(
+            f"host time of one step(), {count} x 16x16 fused AdamW (median of {args.iters}): "
+            f"{cells}{ratios} | {'; '.join(notes)}"
+        )
+
+
 def _triton_of(wrapper):
     """The wrapper's Triton step (an engine's since the layout change; ``_triton`` before)."""
     engines = getattr(wrapper, "_engines", None)
@@ -428,6 +490,16 @@ def main() -> None:
         default="adamw",
         help="the base optimizer (apex_fused_adam: apex.optimizers.FusedAdam)",
     )
+    ap.add_argument(
+        "--host-time",
+        action="store_true",
+        help="only the host time of one step() call over many 16x16 tensors (see above)",
+    )
+    ap.add_argument(
+        "--host-counts",
+        default="300,3000,30000",
+        help="tensor counts of --host-time (comma-separated)",
+    )
     args = ap.parse_args()
     if args.one_at_a_time is None:
         args.one_at_a_time = args.model is not None
@@ -460,6 +532,10 @@ def main() -> None:
         f" torch {torch.__version__}, copy bandwidth {bw / 1e9:.1f} GB/s, "
         f"{_BACK_TO_BACK} call(s) back to back per timing"
     )
+    if args.host_time:
+        _host_times(device, mesh, args)
+        dist.destroy_process_group()
+        return
     runs = []  # (label, param shapes)
     if args.model:
         shapes = MODELS[args.model](args.scale, args.count_scale)
@@ -486,8 +562,19 @@ def main() -> None:
             locals_, _ = _make_shapes(shapes, device, mesh, 0, dtensors=False)
             bare_step = base_opt(locals_, kw).step
             triton_row = mode == "fused" and device.type == "cuda" and not args.no_triton
+            captured_row = mode == "fused" and device.type == "cuda" and not apex
             factories = _factories(
-                shapes, device, mesh, kw, base_opt, args, other, triton_row, apex, with_clip
+                shapes,
+                device,
+                mesh,
+                kw,
+                base_opt,
+                args,
+                other,
+                triton_row,
+                apex,
+                with_clip,
+                captured_row,
             )
             t, pair_bare, notes = _time_contenders(
                 device,

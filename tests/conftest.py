@@ -32,6 +32,19 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` are skipped without a CUDA device (``-m cuda`` selects them all:
+    ``scripts/gpu_check.sh``)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def ranks():
     """``ranks(world_size)`` -> a live RankPool; ``pool.run(fn, *args)`` runs fn on every rank."""

@@ -48,7 +48,7 @@ def _apex_fused_adam():
 
 
 pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.cuda,
     pytest.mark.skipif(
         _apex_fused_adam() is None,
         reason="apex.optimizers.FusedAdam (with amp_C) is not importable",

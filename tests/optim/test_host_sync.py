@@ -179,12 +179,16 @@ def _on_mesh(local, mesh):
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 @pytest.mark.parametrize("variant", ["fused", "triton"])
 def test_host_sync_false_never_syncs_on_cuda(tmp_path, variant):
-    """World size 1 on NCCL: steady steps of fused AdamW with clipping and a dynamic scaler run
-    under ``torch.cuda.set_sync_debug_mode("error")``, overflowing steps included; with the
-    Triton update too (it reads ``found_inf`` on the device)."""
+    """World size 1 on NCCL: every step of fused AdamW with clipping and a dynamic scaler runs
+    under ``torch.cuda.set_sync_debug_mode("error")``, the first (which creates the state up
+    front and takes the fast path too) and the overflowing one included; with the Triton update
+    too (it reads ``found_inf`` on the device). The NCCL communicator is created before (its
+    set-up is not part of a step)."""
+    import torch.distributed as dist
+
     from mfsdp_optim import DynamicGradScaler, FullyShardedOptimizer, OptimizerConfig
     from mfsdp_optim.optim._triton_adam import TritonAdam
 
@@ -192,6 +196,8 @@ def test_host_sync_false_never_syncs_on_cuda(tmp_path, variant):
     if triton and not TritonAdam.available():
         pytest.skip("needs Triton")
     with _cuda_world_of_one(tmp_path) as (mesh, params):
+        dist.all_reduce(torch.zeros(1, device="cuda"))  # the communicator, outside the check
+        torch.cuda.synchronize()
         opt = FullyShardedOptimizer(
             torch.optim.AdamW(params, lr=0.01, fused=True),
             OptimizerConfig(clip_grad=0.5, host_sync=False, triton_adam_step=triton),
@@ -204,23 +210,20 @@ def test_host_sync_false_never_syncs_on_cuda(tmp_path, variant):
                 if step == 3:
                     g.view(-1)[0] = float("inf")
                 p.grad = _on_mesh(g, mesh)
-            if step == 0:  # the first step creates the state (it reads found_inf once)
-                opt.step()
-            else:
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    results.append(opt.step())
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                results.append(opt.step())
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
             opt.zero_grad()
         oks = [bool(r[0]) for r in results]
-        assert oks == [True, True, False, True, True], oks
-        assert opt.fast_steps == 5
+        assert oks == [True, True, True, False, True, True], oks
+        assert opt.fast_steps == 6  # the first step too (its state is created up front)
         if triton:  # every fast step took the Triton update, the skipped one included
-            assert opt._engines[0].triton.launches == 5
+            assert opt._engines[0].triton.launches == 6
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 @pytest.mark.parametrize("variant", ["fused", "triton", "scaler"])
 def test_host_sync_true_returns_before_the_update_finishes(tmp_path, variant):
     """World size 1 on NCCL, ``host_sync=True``: ``step()`` reads the stats on the host, but

@@ -140,9 +140,7 @@ def _rank_fold(bf16: bool, device: str):
     return out
 
 
-CUDA = pytest.param(
-    "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-)
+CUDA = pytest.param("cuda", marks=pytest.mark.cuda)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])

@@ -17,7 +17,7 @@ import itertools
 import pytest
 import torch
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+cuda = pytest.mark.cuda  # skipped without a CUDA device (tests/conftest.py)
 
 SHAPES = [(1000, 33), (0, 8), (5,), (2048,), (3, 1025), (1,), (4097,)]
 
@@ -534,3 +534,40 @@ def test_wrapper_kept_tables_survive_regrads_and_reload(ranks):
     ((launches, builds, fast_steps),) = ranks(1).run(_wrapper_reload_run, 3000, timeout=300)
     assert fast_steps == 5  # step 1 creates the state on the generic path
     assert launches == 5 and builds == 2  # one table before the reload, one after
+
+
+@cuda
+def test_kept_table_under_graph_capture():
+    """Under CUDA graph capture the kernel launches only with a holder's table that an eager
+    call on the capturing stream built and pointed at these grads (a capture uploads nothing);
+    the replays read the hyperparameters from the table, patched between replays, and match
+    eager calls of the same kernel bit for bit, the found_inf gate included."""
+    from mfsdp_optim.optim import _triton_adam
+
+    tri, holder = _triton_adam.TritonAdam(), _Holder()
+    group = _group(True, False, 0.1)
+    p, g, m, v, s = _lists(torch.float32, 3)
+    rp, rm, rv, rs = _clone(p), _clone(m), _clone(v), _clone(s)
+    ref_tri, ref_holder = _triton_adam.TritonAdam(), _Holder()
+    divisor = torch.tensor(2.0, device="cuda")
+    gate = torch.zeros((), device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):  # no table yet
+            assert not tri.step(group, p, g, m, v, s, divisor, holder=holder, found_inf=gate)
+        assert tri.step(group, p, g, m, v, s, divisor, holder=holder, found_inf=gate)  # eager
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            assert tri.step(group, p, g, m, v, s, divisor, holder=holder, found_inf=gate)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert ref_tri.step(group, rp, g, rm, rv, rs, divisor, holder=ref_holder, found_inf=gate)
+    for step, (lr, skip) in enumerate([(1e-2, 0.0), (3e-3, 0.0), (3e-3, 1.0), (7e-4, 0.0)]):
+        group["lr"] = lr
+        gate.fill_(skip)
+        holder.triton_table.refresh_hparams(group)  # what the captured step does per replay
+        graph.replay()
+        assert ref_tri.step(group, rp, g, rm, rv, rs, divisor, holder=ref_holder, found_inf=gate)
+        torch.cuda.synchronize()
+        for a, b in ((p, rp), (m, rm), (v, rv), (s, rs)):
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), step

@@ -18,7 +18,7 @@ import torch
 from mfsdp_optim.stats import _fused
 from mfsdp_optim.stats._math import shard_contribution as reference
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+cuda = pytest.mark.cuda  # skipped without a CUDA device (tests/conftest.py)
 
 NORMS = [2.0, 1.0, 3.0, 0.5, math.inf, 1.5]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -228,14 +228,30 @@ def test_side_stream_and_other_device_index():
 
 
 @cuda
-def test_graph_capture_falls_back():
+def test_graph_capture_needs_a_table_made_outside_it():
+    """Under CUDA graph capture the kernel launches only where an eager call on the capturing
+    stream made its table and workspace (a capture uploads and allocates nothing outside the
+    graph: the captured step's warm-up); elsewhere the caller's pure-torch path runs. The
+    replayed launch follows the tensors' new values."""
+    _fused._table_cache.clear()  # no table of an earlier test on a recycled stream handle
     ts = [torch.randn(1000, device="cuda")]
-    g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        torch.cuda.synchronize()
-        with torch.cuda.graph(g, stream=s):
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=s):
             assert _fused.shard_contribution(ts, **_kw(2.0)) is None
+        want = _fused.shard_contribution(ts, **_kw(2.0))  # eager on s: its table, workspace
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            got = _fused.shard_contribution(ts, **_kw(2.0))
+    assert got is not None
+    torch.cuda.current_stream().wait_stream(s)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    ts[0].mul_(3.0)
+    g.replay()
+    torch.testing.assert_close(got, reference(ts, **_kw(2.0)), rtol=1e-9, atol=0)
 
 
 @cuda

@@ -294,7 +294,10 @@ class VerdictSlots:
                 self._cache.clear()
             args = [float("nan")] * len(self.names) if failed else [float(v) for v in values]
             row = [1.0 if failed else 0.0, *args, self.magic]
-            slots = self._cache[key] = torch.tensor(row, dtype=torch.float64).to(device)
+            host = torch.tensor(row, dtype=torch.float64)
+            if device.type == "cuda":  # pinned: the first copy does not wait for the stream
+                host = host.pin_memory()
+            slots = self._cache[key] = host.to(device, non_blocking=True)
         return slots
 
     def bad(self, gathered: torch.Tensor, values: Sequence[float]) -> torch.Tensor:

@@ -55,6 +55,12 @@ class OptimizerConfig:
             device-to-host copy per step. False: it returns 0-d device tensors and never waits
             for the device (see "A step that does not wait for the host" in the
             documentation's Concepts page).
+        cuda_graph: Keyword-only. Capture the step (stats kernel, its collective, clip, skip
+            gate, scaler update, Adam/AdamW update) in a ``torch.cuda.CUDAGraph`` once and
+            replay it while grads, params and state stay where they are; lr changes are read
+            from device memory. Needs ``host_sync=False``, CUDA params and an NCCL grad-stats
+            group. What a training loop must do for the graph to hold, and which steps stay
+            eager: the documentation's Concepts page, "The captured step".
         update_kinds: Keyword-only. ``{optimizer class: "elementwise" | "whole_param"}`` for
             classes the package does not know (see the documentation's "Which optimizers run
             how" page): "elementwise" steps local shards (every element's update reads only
@@ -71,6 +77,7 @@ class OptimizerConfig:
     precision_aware: bool | None = None
     triton_adam_step: bool = True
     host_sync: bool = True
+    cuda_graph: bool = False
     update_kinds: Mapping[type, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -95,4 +102,11 @@ class OptimizerConfig:
         self.precision_aware = _flag(self.precision_aware, "precision_aware", allow_none=True)
         self.triton_adam_step = bool(_flag(self.triton_adam_step, "triton_adam_step"))
         self.host_sync = bool(_flag(self.host_sync, "host_sync"))
+        self.cuda_graph = bool(_flag(self.cuda_graph, "cuda_graph"))
+        if self.cuda_graph and self.host_sync:
+            raise ValueError(
+                "OptimizerConfig(cuda_graph=True) needs host_sync=False: a captured step cannot "
+                "read its results on the host. Pass OptimizerConfig(cuda_graph=True, "
+                "host_sync=False) and read the returned device tensors when you log them."
+            )
         self.update_kinds = check_update_kinds(self.update_kinds)

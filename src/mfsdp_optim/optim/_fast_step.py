@@ -101,6 +101,11 @@ class FastAdamStep:
         self._state_len = -1
         self._param_groups: object = None
         self._failed: tuple | None = None  # (version, id(state), len(state)) of a failed build
+        # OptimizerConfig(cuda_graph=True): each group's lr in device memory (a
+        # _graph.ScalarSlots, float32 as torch's fused kernel takes a tensor lr), read by the
+        # direct fused call instead of the Python lr; and whether a capture is under way
+        self.lr_slots: Any = None
+        self.capturing = False
 
     @property
     def token(self) -> object:
@@ -249,11 +254,18 @@ class FastAdamStep:
         ``found_inf``: a float32 0/1 tensor, fused groups only (see ``skips_on_device()``):
         the update is skipped on the device where it is 1."""
         assert self._groups is not None
-        optimizer._accelerator_graph_capture_health_check()
+        if not self.capturing:  # torch's check refuses a capture of capturable=False groups
+            optimizer._accelerator_graph_capture_health_check()
+        slots = self.lr_slots
+        if slots is not None and len(slots) != len(self._groups):
+            slots = None  # groups were added: the wrapper makes new slots at its next step()
+        elif slots is not None and not self.capturing:  # (a capture uploads nothing)
+            slots.update([gc.group["lr"] for gc in self._groups])
         with torch.no_grad():
-            for gc in self._groups:
+            for gi, gc in enumerate(self._groups):
                 direct = gc.device is not None and all(d == gc.device for d in grad_devices)
-                self._step_group(gc, direct, grad_scale, triton, found_inf, grad_dtype)
+                lr = None if slots is None else slots.slot(gi)
+                self._step_group(gc, direct, grad_scale, triton, found_inf, grad_dtype, lr)
 
     @staticmethod
     def _step_group(
@@ -263,7 +275,10 @@ class FastAdamStep:
         triton: Any = None,
         found_inf: torch.Tensor | None = None,
         grad_dtype: torch.dtype | None = None,
+        lr_slot: torch.Tensor | None = None,
     ) -> None:
+        """One group's update; ``lr_slot``: a 0-d float32 device tensor the direct fused call
+        reads the lr from (the captured step's; the Triton kernel reads its own table)."""
         group = gc.group
         holder: _GroupCache | None = gc  # the Triton table may live on the cache: its lists
         grads = gc.grads
@@ -309,6 +324,8 @@ class FastAdamStep:
                 return
             if grad_scale is not None:
                 grad_scale = grad_scale.to(device, non_blocking=True)
+            if lr_slot is not None:
+                lr = lr_slot
             advance_steps(steps, found_inf)
             func = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
             func(

@@ -138,8 +138,16 @@ class GradScaler:
         self._device_stale = True
         dev = self._device
         scale = dev["_scale_value"]
-        # scale_on/inv_scale_on of this device follow without a host read; others re-derive
-        self._cache = {scale.device: (scale.to(torch.float32), (1.0 / scale).to(torch.float32))}
+        # scale_on/inv_scale_on of this device follow without a host read; others re-derive.
+        # Written into the tensors already there (the ones a captured step reads: a CUDA graph
+        # keeps the addresses it saw), else made.
+        pair = self._cache.get(scale.device)
+        if pair is not None:
+            pair[0].copy_(scale)  # float64 -> float32: the rounding of .to(torch.float32)
+            pair[1].copy_(1.0 / scale)
+        else:
+            pair = (scale.to(torch.float32), (1.0 / scale).to(torch.float32))
+        self._cache = {scale.device: pair}
 
     # -- the scale -------------------------------------------------------------------------
     @property
@@ -162,9 +170,10 @@ class GradScaler:
         pair = self._cache.get(device)
         if pair is None:
             self._pull()
+            # fill kernels, not host-to-device copies (which wait for the stream: a sync)
             pair = (
-                torch.tensor(self._scale_value, dtype=torch.float32, device=device),
-                torch.tensor(1.0 / self._scale_value, dtype=torch.float32, device=device),
+                torch.full((), self._scale_value, dtype=torch.float32, device=device),
+                torch.full((), 1.0 / self._scale_value, dtype=torch.float32, device=device),
             )
             self._cache[device] = pair
         return pair

@@ -70,6 +70,11 @@ class FullyShardedOptimizer(OptimizerSurface):
         self._init_state_fn = init_state_fn
         self._stage = Stage.READY
         self.last_update_successful: bool | None = None
+        self._captured: Any = None  # OptimizerConfig(cuda_graph=True): _captured.CapturedStep
+        if self.config.cuda_graph:
+            from ._captured import CapturedStep
+
+            self._captured = CapturedStep(self)
 
     # ------------------------------------------------------------------------------------------
     # the step
@@ -239,6 +244,12 @@ class FullyShardedOptimizer(OptimizerSurface):
                 "step() called after prepare_grads(): the grads are already prepared; finish "
                 "with step_with_ready_grads() (or zero_grad() to drop them)."
             )
+        if self._captured is not None and self.config.cuda_graph:
+            return self._captured.run(self._step_body)
+        return self._step_body()
+
+    def _step_body(self) -> tuple[Any, Any, Any]:
+        """``step()`` after its closure and stage checks: what a captured step captures."""
         scaler, on_host = self.grad_scaler, self.config.host_sync
         # without a scaler the host waits only after the update is enqueued (see _step)
         prep = self._prepare(defer=on_host and scaler is None)

@@ -356,6 +356,16 @@ class AdamTable:
         assert self.table is not None
         self.table.patch(self.hp_at, _hparams(group))
 
+    def ready_for(self, grads: list[torch.Tensor], group: dict) -> bool:
+        """The device copy already holds these grads' offsets and the group's hyperparameters:
+        a launch needs no upload (what a CUDA graph capture requires)."""
+        return (
+            self.table is not None
+            and len(grads) == len(self.gptrs)
+            and same_addresses(grads, self.gptrs, self.keep)
+            and bool((self.host[self.hp_at :] == _hparams(group)).all())
+        )
+
     def align(self, esize: int) -> int:
         """The ``ALIGN`` constant: 16 bytes in elements when every tensor is 16-byte aligned."""
         return 16 // esize if self.static_aligned and self.grads_aligned else 1
@@ -431,12 +441,15 @@ class TritonAdam:
         these very lists (the fast step's ``_GroupCache``); the table is kept there.
         ``grad_dtype``: the caller's word that every grad has this dtype (else checked).
         ``found_inf``: a float32 0/1 tensor on the params' device, read by the kernel: where it
-        is 1 the update is skipped and the step counters stay (torch's ``found_inf``)."""
-        if (
-            not self.eligible(group, params)  # first: CPU groups never import Triton
-            or torch.cuda.is_current_stream_capturing()
-            or torch.compiler.is_compiling()
-        ):
+        is 1 the update is skipped and the step counters stay (torch's ``found_inf``).
+
+        Under CUDA graph capture it launches only with a holder's table that needs no upload
+        (built and pointed at these grads by an eager step on the capturing stream): the graph
+        then reads the table, whose hyperparameters the caller refreshes before each replay."""
+        if not self.eligible(group, params) or torch.compiler.is_compiling():
+            return False  # eligible first: CPU groups never import Triton
+        capturing = torch.cuda.is_current_stream_capturing()
+        if capturing and (holder is None or params[0].device.index not in self._tickets):
             return False
         kernel = _load()  # None without Triton or numpy
         if kernel is None:
@@ -444,7 +457,9 @@ class TritonAdam:
         if holder is None:
             tab = self._one_off(group, params, grads, exp_avgs, exp_avg_sqs, steps, grad_dtype)
         else:
-            tab = self._kept(holder, group, params, grads, exp_avgs, exp_avg_sqs, steps, grad_dtype)
+            tab = self._kept(
+                holder, group, params, grads, exp_avgs, exp_avg_sqs, steps, grad_dtype, capturing
+            )
         if tab is None:
             return False
         if tab.n == 0:  # only empty shards: nothing to update but the counters
@@ -475,10 +490,11 @@ class TritonAdam:
         return tab
 
     def _kept(
-        self, holder, group, params, grads, exp_avgs, exp_avg_sqs, steps, grad_dtype
+        self, holder, group, params, grads, exp_avgs, exp_avg_sqs, steps, grad_dtype, frozen=False
     ) -> AdamTable | None:
         """The holder's table: rebuilt when it does not fit the lists, refreshed for this
-        step's grads and hyperparameters. No size limit (the rule in the module docstring)."""
+        step's grads and hyperparameters. No size limit (the rule in the module docstring).
+        ``frozen`` (a capture): only a table that needs neither a build nor an upload."""
         stream = _stream_of(params[0].device)
         tab = holder.triton_table
         if tab is _DECLINED:  # these lists cannot be taken, for as long as they live
@@ -488,6 +504,8 @@ class TritonAdam:
             or tab.stream != stream
             or not tab.fits(params, exp_avgs, exp_avg_sqs, steps)
         ):
+            if frozen:
+                return None
             tab = None
             if _static_contiguous(params, exp_avgs, exp_avg_sqs):
                 tab = AdamTable.build(params, exp_avgs, exp_avg_sqs, steps, group, stream)
@@ -497,6 +515,8 @@ class TritonAdam:
                 return None
         if not _grads_ok(grads, params[0].dtype, grad_dtype):
             return None
+        if tab.n and frozen:
+            return tab if tab.ready_for(grads, group) else None
         if tab.n:
             if not tab.refresh_grads(grads):
                 return None

@@ -1,8 +1,9 @@
 """Optional fused kernels for the stats layer (CUDA + Triton).
 
 ``shard_contribution`` has the contract of ``stats._math.shard_contribution()`` and returns
-None when no fused kernel applies (CPU tensors, Triton missing, CUDA graph capture,
-``torch.compile`` tracing, an unsupported dtype); the caller then takes the pure-torch path.
+None when no fused kernel applies (CPU tensors, Triton missing, a CUDA graph capture whose
+stream has no table for these tensors yet, ``torch.compile`` tracing, an unsupported dtype);
+the caller then takes the pure-torch path.
 One persistent kernel per bucket over a persistent table (``StatsTable``, kept per device,
 stream, dtype and numels; ``_infra.device_table``), float64 accumulation, a deterministic final
 reduction by the last program. Design: docs/concepts.md, "The fused stats kernel".
@@ -386,17 +387,33 @@ class StatsTable:
         self.table.patch(3 * n + 1, _norm_bits(norm_type))
         return True
 
+    def ready_for(self, tensors: Sequence[torch.Tensor], norm_type: float) -> bool:
+        """The device copy already points at ``tensors`` with this norm type: a launch needs
+        no upload (what a CUDA graph capture requires)."""
+        return (
+            self.table is not None
+            and same_addresses(tensors, self.ptrs, self.keep)
+            and self.host[3 * self.n + 1] == _norm_bits(norm_type)[0]
+        )
+
 
 def _stats_table(
-    tensors: Sequence[torch.Tensor], norm_type: float, device: torch.device, stream: int
+    tensors: Sequence[torch.Tensor],
+    norm_type: float,
+    device: torch.device,
+    stream: int,
+    frozen: bool = False,
 ) -> StatsTable | None:
     """The persistent table for these tensors (cached per device, stream and numels), pointed
-    at them; None when the fused kernel cannot take them."""
+    at them; None when the fused kernel cannot take them. ``frozen`` (a CUDA graph capture):
+    only a cached table that needs no upload."""
     numels = tuple(map(torch.Tensor.numel, tensors))
     # the dtype too: the offsets are in elements, so a bucket of another element size whose
     # tensors reuse the same addresses must not find these offsets
     key = (device.index, stream, tensors[0].dtype, numels)
     tab = _table_cache.get(key) if TABLE_CACHE_ENABLED else None
+    if frozen:
+        return tab if tab is not None and tab.ready_for(tensors, norm_type) else None
     if tab is None:
         tab = StatsTable.build(numels, norm_type)
         if tab is None:
@@ -439,13 +456,15 @@ def _plan(
     replication: int,
     canonical: bool,
     count_zeros: bool,
+    frozen: bool = False,
 ) -> _Plan | None:
     """Build a launch plan for contiguous tensors of one device and dtype; None if the fused
-    kernel cannot take them (then the caller uses the reference path)."""
+    kernel cannot take them (then the caller uses the reference path). ``frozen`` (a CUDA
+    graph capture): None unless the table and the workspace need no upload or allocation."""
     first = tensors[0]
     device = first.device
     stream = torch.cuda.current_stream(device).cuda_stream
-    tab = _stats_table(tensors, norm_type, device, stream)
+    tab = _stats_table(tensors, norm_type, device, stream, frozen)
     if tab is None:
         return None
     first = tensors[tab.first]
@@ -477,6 +496,10 @@ def _plan(
     plan.replication = int(replication)
     assert tab.table is not None
     plan.table = tab.table.tensor
+    if frozen:
+        ws = _workspaces.get((device.index, stream))
+        if ws is None or ws["n"] < n or ws["g"] < plan.num_progs:
+            return None
     plan.ws = _workspace(device, stream, n, plan.num_progs)
     return plan
 
@@ -533,14 +556,19 @@ def shard_contribution(
     kernel = _load_triton()
     if kernel is None:
         return None
-    if torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         return None
+    # under CUDA graph capture only a launch that uploads and allocates nothing outside the
+    # graph (an eager call on the capturing stream made the table and the workspace)
+    capturing = torch.cuda.is_current_stream_capturing()
     tensors = list(tensors)
     if not all(map(torch.Tensor.is_contiguous, tensors)):
+        if capturing:
+            return None
         return _mixed_contribution(tensors, norm_type, replication, canonical, count_zeros)
     device = first.device
     with torch.cuda.device(device):
-        plan = _plan(tensors, norm_type, replication, canonical, count_zeros)
+        plan = _plan(tensors, norm_type, replication, canonical, count_zeros, capturing)
         if plan is None:
             return None
         return _launch(kernel, plan)

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The GPU check: every CUDA test (pytest -m cuda) and a short smoke run of each GPU benchmark,
+# on one CUDA device. Run it before calling an issue that touches a CUDA path resolved, and
+# record its summary (date, card, result) in benchmarks/RESULTS.md.
+#
+#   scripts/gpu_check.sh                 # from the repository root; or: nox -s gpu
+#
+# Needs python3 with torch (CUDA), triton, pytest, hypothesis and pytest-timeout; the package
+# comes from src/ (PYTHONPATH), nothing is installed. Logs and summary.txt go under
+# ${OUT:-gpu_out}. About 4-6 minutes on an H100. Exit status 1 when any step failed.
+set -u
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out=${OUT:-gpu_out}
+mkdir -p "$out"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+py=${PYTHON:-python3}
+summary="$out/summary.txt"
+failed=0
+
+{
+    echo "gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+    "$py" - <<'PY'
+import torch
+try:
+    import triton
+    tv = triton.__version__
+except ImportError:
+    tv = "missing"
+name = torch.cuda.get_device_name() if torch.cuda.is_available() else "NO CUDA DEVICE"
+print(f"device {name}, torch {torch.__version__}, cuda {torch.version.cuda}, triton {tv}")
+PY
+} | tee "$summary"
+
+# step NAME SECONDS TAIL_LINES CMD...: run CMD with a time limit, its output in $out/NAME.log;
+# prints the log's last lines and one summary line
+step() {
+    local name=$1 limit=$2 lines=$3
+    shift 3
+    local t0=$SECONDS rc=0
+    echo "=== $name: $*"
+    timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1 || rc=$?
+    tail -n "$lines" "$out/$name.log"
+    local verdict="ok"
+    if [ "$rc" -ne 0 ]; then
+        verdict="FAILED (exit $rc$([ "$rc" -eq 124 ] && echo ', time limit'))"
+        failed=1
+    fi
+    echo "$name: $verdict in $((SECONDS - t0)) s" | tee -a "$summary"
+}
+
+# every test marked cuda (tests/conftest.py skips them without a device; -rs lists skips)
+step tests 300 40 "$py" -m pytest tests -m cuda -rs -q --timeout=120 -p no:cacheprovider
+
+# each GPU benchmark, tiny sizes and few iterations (numbers are smoke, not results)
+cd benchmarks
+step bench_step 90 12 "$py" bench_step.py --sets 3000x512x256 --count-scale 0.1 \
+    --modes fused,foreach --iters 5 --warmup 2
+step bench_step_host 150 6 "$py" bench_step.py --host-time --host-counts 300,3000,30000 \
+    --iters 10 --warmup 2
+step bench_step_llama 90 8 "$py" bench_step.py --model llama1b --scale 0.05 \
+    --count-scale 0.125 --modes fused --iters 3 --warmup 2
+step bench_loop 120 14 "$py" bench_loop.py --layers 2 --iters 5 --warmup 3 --rounds 2
+step bench_stats 90 8 "$py" bench_stats.py --scale 0.05 --warmup 2 --repeats 5
+step bench_triton_adam 60 8 "$py" bench_triton_adam.py --iters 3
+step bench_muon 60 6 "$py" bench_muon.py --device cuda --layers 1 --steps 2 --scale 4 --cpu-scale 16
+step bench_agreement 60 8 "$py" bench_agreement.py --backend nccl --world 1 --warmup 5 \
+    --repeats 20
+cd ..
+
+# the ratios of the smoke runs (smoke sizes: indicative only; scripts/gpu_bench.sh for figures)
+{
+    echo "--- ratios (smoke sizes)"
+    grep -h "fused: floor" "$out/bench_step.log" 2>/dev/null
+    grep -h "host time of one step" "$out/bench_step_host.log" 2>/dev/null
+    grep -h "median of .* rounds\|capture(s)" "$out/bench_loop.log" 2>/dev/null
+} | tee -a "$summary"
+
+echo "--- summary ($summary)"
+cat "$summary"
+exit "$failed"

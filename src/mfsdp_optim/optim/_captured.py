@@ -1,0 +1,292 @@
+"""The wrapper's captured step (``OptimizerConfig(cuda_graph=True)``).
+
+``CapturedStep.run(body)`` is ``step()`` in that mode: it mirrors each group's lr in device
+memory, asks ``_graph.StepGraph`` what to do with this step, then
+
+* replays: the Triton tables' hyperparameters refreshed (uploaded only if one changed), the
+  graph launched, the host-side effects of a step applied (stage, counters) and the returned
+  tensors cloned (a replay rewrites the graph's own);
+* captures: one eager step on the graph's side stream (this call's update), the checks that
+  it can be captured (``blocker``: if not, the next step tries again, then it runs eagerly),
+  then the capture itself (nothing runs);
+* or runs the body eagerly.
+
+``inputs()`` lists what a capture reads (checked before every replay): the param and grad
+objects (O(params), identity only), the optimizer's state mapping, groups and the
+hyperparameters baked into the graph, the fast step's caches and Triton tables, the scaler's
+device tensors and the config. Construction refuses what can never be captured (``check_setup``).
+Why and what a training loop must do: docs/concepts.md, "The captured step".
+"""
+
+from __future__ import annotations
+
+from operator import attrgetter
+from operator import is_ as _is
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from .._infra.comm import collective_device
+from ._dispatch import route_of
+from ._engine import _frozen_values
+from ._grad_scaler import ConstantGradScaler, DynamicGradScaler
+from ._graph import Counters, CudaGraphRunner, EagerRunner, Inputs, ScalarSlots, StepGraph
+from ._kinds import WHOLE_PARAM
+from ._triton_adam import AdamTable
+
+if TYPE_CHECKING:
+    from ._optimizer import FullyShardedOptimizer
+
+__all__ = ["CapturedStep", "check_setup"]
+
+_grad_of = attrgetter("grad")
+_local_of = attrgetter("_local_tensor")
+_LR_DTYPE = torch.float32  # torch's fused Adam kernels read a tensor lr as float32
+_SCALERS = (type(None), ConstantGradScaler, DynamicGradScaler)
+
+
+def check_setup(wrapper: FullyShardedOptimizer) -> torch.device:
+    """The one CUDA device every param lives on; ValueError for a setup that cannot be
+    captured at all (params off CUDA or on several devices, a grad-stats group whose
+    collectives run on the host)."""
+    device = None
+    for e in wrapper._engines:
+        for s in e.table.slots:
+            d = s.param._local_tensor.device
+            if d.type != "cuda" or (device is not None and d != device):
+                where = "on the CPU" if d.type != "cuda" else f"on {d} while others are on {device}"
+                raise ValueError(
+                    f"OptimizerConfig(cuda_graph=True) captures the step on one CUDA device, but "
+                    f"param {s.fqn!r} is {where}. Keep every param on one CUDA device, or pass "
+                    "cuda_graph=False."
+                )
+            device = d
+    if device is None:
+        raise ValueError("OptimizerConfig(cuda_graph=True): the optimizer holds no params")
+    group = wrapper.config.grad_stats_group
+    if collective_device(group).type != "cuda":
+        raise ValueError(
+            "OptimizerConfig(cuda_graph=True) captures the grad-stats collective, but the "
+            f"grad-stats group's backend ({dist.get_backend(group)!r}) runs it on the host, "
+            "which a CUDA graph cannot capture. Use an NCCL group (init_process_group('nccl'), "
+            "also for a single process), or pass cuda_graph=False."
+        )
+    return device
+
+
+class CapturedStep:
+    """``step()`` of a wrapper with ``cuda_graph=True`` (see the module docstring).
+
+    Args:
+        wrapper: The wrapper.
+        runner: Tests only: an ``_graph.EagerRunner`` (CPU params, any group) instead of
+            ``check_setup`` and a CUDA graph.
+    """
+
+    def __init__(self, wrapper: FullyShardedOptimizer, runner: Any = None):
+        self.wrapper = wrapper
+        if runner is None:
+            self.device = check_setup(wrapper)
+            runner = CudaGraphRunner(self.device)
+        else:
+            self.device = wrapper._engines[0].table.slots[0].param._local_tensor.device
+        self.graph = StepGraph(runner)
+        fields: list[tuple[Any, str]] = []
+        for e in wrapper._engines:
+            fields += [(e, "fast_steps"), (e, "clip_folds"), (e.preparer, "replays")]
+            if e.triton is not None:
+                fields.append((e.triton, "launches"))
+        self.counters = Counters(fields)
+        self.after: tuple[Any, Any] = (None, None)  # (stage, last_update_successful) of a step
+
+    # ----------------------------------------------------------------------------- the step
+
+    def run(self, body: Any) -> Any:
+        """One ``step()`` (after its closure and stage checks): replay, capture or eager."""
+        self._update_lr()
+        graph = self.graph
+        action = graph.plan(self.still_valid)
+        if action == "replay":
+            self._refresh_tables()
+            out = graph.replay()
+            if not isinstance(graph.runner, EagerRunner):  # (that one ran the body itself)
+                self._replayed()
+            return tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in out)
+        if action == "eager":
+            return body()
+        return self._capture(body)
+
+    def _capture(self, body: Any) -> Any:
+        graph, w = self.graph, self.wrapper
+        fast_before = [e.fast_steps for e in w._engines]
+        out = graph.runner.warm(body)  # this call's step, eagerly, where the capture will run
+        reason = self.blocker(fast_before)
+        if reason is not None:
+            graph.blocked(reason)
+            return out
+        before = self.inputs()
+        self.counters.begin()
+        for e in w._engines:
+            e.fast.capturing = True
+        try:
+            graph.runner.capture(body)
+        except Exception as exc:  # noqa: BLE001  (whatever failed, the step is done: go eager)
+            self.counters.undo()
+            graph.disable(f"its capture failed ({type(exc).__name__}: {exc})")
+            return out
+        finally:
+            for e in w._engines:
+                e.fast.capturing = False
+        self.counters.end()
+        after = self.inputs()
+        if not before.same(after):
+            graph.disable("a cache was rebuilt while the step was captured")
+            return out
+        self.after = (w._stage, w.last_update_successful)
+        graph.captured_with(after, self._keep_alive())
+        return out
+
+    # ------------------------------------------------------------------------ the bookkeeping
+
+    def _replayed(self) -> None:
+        """The host-side effects of the step a replay ran: the stage, the last result, the
+        counters, and the scaler's word that its device copy moved on (what its device update
+        says when it runs eagerly: the host fields are stale, copies on other devices too)."""
+        w = self.wrapper
+        self.counters.replayed()
+        w._stage, w.last_update_successful = self.after
+        scaler = w.grad_scaler
+        if scaler is not None and scaler._device:
+            scaler._device_stale = True
+            pair = scaler._cache.get(self.device)
+            scaler._cache = {self.device: pair} if pair is not None else {}
+
+    def _update_lr(self) -> None:
+        """Each group's lr into its device slot (an upload only when one changed)."""
+        for e in self.wrapper._engines:
+            lrs = [g["lr"] for g in e.optimizer.param_groups]
+            slots = e.fast.lr_slots
+            if any(map(torch.is_tensor, lrs)):  # not captured (blocker): the Python path
+                e.fast.lr_slots = None
+            elif slots is None or len(slots) != len(lrs):
+                e.fast.lr_slots = ScalarSlots(lrs, self.device, _LR_DTYPE)
+            else:
+                slots.update(lrs)
+
+    def _refresh_tables(self) -> None:
+        """The Triton tables' hyperparameters (the lr of a schedule), uploaded if changed."""
+        for e in self.wrapper._engines:
+            for gc in e.fast._groups or ():
+                tab = gc.triton_table
+                if isinstance(tab, AdamTable) and tab.table is not None:
+                    tab.refresh_hparams(gc.group)
+
+    def blocker(self, fast_before: list[int] | None = None) -> str | None:
+        """Why the step just run cannot be captured, or None. ``fast_before``: each engine's
+        ``fast_steps`` before it (each must have taken the fast step)."""
+        w = self.wrapper
+        scaler = w.grad_scaler
+        if type(scaler) not in _SCALERS:
+            return (
+                f"a {type(scaler).__name__} is used (only ConstantGradScaler and "
+                "DynamicGradScaler update on the device)"
+            )
+        for i, e in enumerate(w._engines):
+            opt = e.optimizer
+            name = e.name or type(opt).__name__
+            if e.kind == WHOLE_PARAM:
+                return f"{name} takes the whole-param update (its exchanges are not captured)"
+            groups = e.fast._groups
+            stepped = fast_before is None or e.fast_steps == fast_before[i] + 1
+            if not e.route.fast or groups is None or not stepped:
+                return (
+                    f"{name} is not stepped by the Adam/AdamW fast step (torch.optim.Adam or "
+                    "AdamW with fused=True in every group, no step hooks)"
+                )
+            if e.preparer.plan is None:
+                return f"grads of {name} need a dtype cast, or some of its params have no grad"
+            for gi, (g, gc) in enumerate(zip(opt.param_groups, groups, strict=True)):
+                if not g.get("fused"):
+                    return f"param group {gi} of {name} is not fused=True"
+                if gc.n and gc.device is None:
+                    return (
+                        f"the params and state of param group {gi} of {name} are not all of "
+                        "one device and dtype"
+                    )
+                if _frozen_values(g) is None or e.fast.lr_slots is None:
+                    return f"param group {gi} of {name} holds a tensor or list hyperparameter"
+        return None
+
+    def still_valid(self, captured: Inputs) -> bool:
+        """``inputs() .same(captured)`` without building the long lists: the O(groups) part
+        first, then every param's grad and local tensor compared by identity as read."""
+        if not captured.same_head(self.inputs(lists=False)):
+            return False
+        lists = iter(captured.lists)
+        for e in self.wrapper._engines:
+            plan = e.preparer.plan
+            if plan is None:
+                continue
+            params, grads, locals_ = next(lists), next(lists), next(lists)
+            if params is not plan.params:
+                return False
+            with torch._C.DisableTorchFunctionSubclass():
+                if not all(map(_is, map(_grad_of, params), grads)):
+                    return False
+            if not all(map(_is, map(_local_of, params), locals_)):
+                return False
+        return True
+
+    def inputs(self, lists: bool = True) -> Inputs:
+        """What the capture reads (see the module docstring); ``lists``: with every param's
+        grad and local tensor (O(params))."""
+        w = self.wrapper
+        cfg, scaler = w.config, w.grad_scaler
+        objects: list[Any] = [cfg, cfg.grad_stats_group, scaler]
+        long: list[list[Any]] = []
+        values: list[Any] = [
+            cfg.clip_grad,
+            cfg.norm_type,
+            cfg.log_num_zeros_in_grad,
+            cfg.triton_adam_step,
+        ]
+        if scaler is not None:
+            objects.extend(scaler._device.values())
+            objects.extend(scaler._cache.get(self.device, ()))
+            values.append(scaler.needs_unscale())
+        for e in w._engines:
+            opt, fast, plan = e.optimizer, e.fast, e.preparer.plan
+            objects += [opt.state, opt.param_groups, fast._groups, fast.lr_slots, plan]
+            values += [
+                len(opt.state),
+                e.table.version,
+                e.table.current(),
+                route_of(opt, precision_aware=e.precision_aware),
+            ]
+            for g in opt.param_groups:
+                objects += [g, g["params"]]
+                values.append(tuple(v for k, v in g.items() if k not in ("params", "lr")))
+            if fast._groups is not None:
+                objects.extend([gc.triton_table for gc in fast._groups])
+            if plan is not None and lists:  # O(params): the grads, the params' local tensors
+                with torch._C.DisableTorchFunctionSubclass():
+                    grads = list(map(_grad_of, plan.params))
+                long += [plan.params, grads, list(map(_local_of, plan.params))]
+        return Inputs(objects, tuple(values), long)
+
+    def _keep_alive(self) -> list[Any]:
+        """What the graph reads that caches may drop (tables, workspaces, the verdict slots):
+        held while the capture lives, so no replay reads freed memory."""
+        from ..stats import _fused, _reduce
+
+        keep: list[Any] = [
+            list(_fused._table_cache.values()),
+            list(_fused._workspaces.values()),
+            list(_reduce._SLOTS._cache.values()),
+        ]
+        for e in self.wrapper._engines:
+            keep.append(e.fast._groups)
+            if e.triton is not None:
+                keep.append(list(e.triton._tickets.values()))
+        return keep
