@@ -95,7 +95,7 @@ def save_checkpoint(
     state off the live tensors (into host memory, pinned where CUDA is), with a ``SaveHandle``;
     DCP's write (``torch.distributed.checkpoint.async_save``), the checksums and the publish run
     on a background thread, their collectives on a gloo group of their own. Training may step
-    meanwhile: what is written is the copy. Every guarantee above holds (docs/checkpoint.md,
+    meanwhile: what is written is the copy. Every guarantee above holds (the Checkpoints page,
     "Asynchronous save"). One save is in flight per process: the next ``save_checkpoint`` or
     ``load_checkpoint`` first waits for it, and refuses, on every rank, when it failed and
     ``handle.wait()`` never raised its error.
