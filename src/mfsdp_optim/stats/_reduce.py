@@ -130,7 +130,8 @@ def segment_norm(seg: SegmentStats, indices: Sequence[int], norm_type: float) ->
         return seg.stats.total_norm
     if len(idx) == 1:
         return seg.norms[idx[0]]
-    chosen = seg.slots[idx]
+    # views stacked, not an index tensor: no host-to-device copy (CUDA-graph safe)
+    chosen = torch.stack([seg.slots[i] for i in idx])
     slot = chosen.amax() if math.isinf(p) else chosen.sum()
     return finish_norm(slot, p)
 
