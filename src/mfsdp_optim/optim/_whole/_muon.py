@@ -148,4 +148,20 @@ def muon_step(
         lr = _to_scalar(g["lr"])
         adjusted = _adjust_lr(lr, g["adjust_lr_fn"], p.shape)
         local.mul_(1 - lr * g["weight_decay"])
-        local.add_(results[u].to(local.device).view(local.shape), alpha=-adjusted)
+        update = results[u].to(local.device).view(local.shape)
+        if p.shape[0] > p.shape[1]:
+            update = _as_torch_lays_out_tall(update)
+        local.add_(update, alpha=-adjusted)
+
+
+def _as_torch_lays_out_tall(update: torch.Tensor) -> torch.Tensor:
+    """``update``'s values in a layout whose last dim is strided, as torch's Muon adds them.
+
+    For a tall matrix (rows > columns) torch's Newton-Schulz returns the transpose of a
+    contiguous result, so its ``param.add_(update, alpha=...)`` reads a strided operand, which
+    sends the add down the elementwise kernel's scalar loop; a contiguous operand takes the
+    vectorised loop, whose fused multiply-add rounds differently (one bfloat16 step on a few
+    elements, seen on CPU). Every local piece of a tall matrix is added strided, whatever its
+    shape (a one-row piece of the transposed view would count as contiguous again)."""
+    strided = torch.empty((*update.shape, 2), dtype=update.dtype, device=update.device)[..., 0]
+    return strided.copy_(update)
