@@ -66,6 +66,10 @@ class OptimizerConfig:
             their grads together, the others unclipped. Every scope costs the same single
             collective; ``step()`` reports the global norm, ``wrapper.grad_norms`` each base
             optimizer's (see ``docs/optimizers.md``, "Clipping Muon and AdamW").
+        batched_newton_schulz: Keyword-only. Muon's owners run Newton-Schulz once per matrix
+            shape over all the matrices of that shape they own (batched GEMMs) instead of once
+            per matrix. Bit for bit torch's per-matrix result on CPU; on CUDA batched GEMMs may
+            round differently, so it is off by default (see ``docs/optimizers.md``).
     """
 
     clip_grad: float = 0.0
@@ -79,6 +83,7 @@ class OptimizerConfig:
     host_sync: bool = True
     update_kinds: Mapping[type, str] = field(default_factory=dict)
     clip_scope: str | Collection[int] = "global"
+    batched_newton_schulz: bool = False
 
     def __post_init__(self) -> None:
         clip = self.clip_grad
@@ -104,6 +109,9 @@ class OptimizerConfig:
         self.host_sync = bool(_flag(self.host_sync, "host_sync"))
         self.update_kinds = check_update_kinds(self.update_kinds)
         self.clip_scope = _check_clip_scope(self.clip_scope)
+        self.batched_newton_schulz = bool(
+            _flag(self.batched_newton_schulz, "batched_newton_schulz")
+        )
 
 
 def _check_clip_scope(scope: object) -> str | tuple[int, ...]:

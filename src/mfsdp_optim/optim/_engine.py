@@ -45,6 +45,7 @@ class Engine:
         # host_sync=False: create a first step's state up front, so the fast step (and its
         # device-side skip) runs from the first step instead of a host read deciding it
         self.state_first = not config.host_sync
+        self.batched_ns = config.batched_newton_schulz
         self.kind = kind_of(optimizer, config.update_kinds)
         aware, self.decoupled = detect_precision_aware(optimizer)
         if config.precision_aware is not None:
@@ -202,6 +203,7 @@ class Engine:
                 group=self.group,
                 plan_cache=self.whole_plan,
                 names=[s.fqn for s in self.table.slots],
+                batched_ns=self.batched_ns,
             )
         finally:
             for s in swapped:
