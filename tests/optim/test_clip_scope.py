@@ -388,3 +388,78 @@ def _rank_index_out_of_range():
 def test_an_index_past_the_optimizers_is_refused_at_construction(ranks):
     for msg in ranks(4).run(_rank_index_out_of_range):
         assert "base optimizer 2" in msg and "has 2" in msg, msg
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA (skipped here): the fused stats kernel per base optimizer, the clip folded into torch's
+# fused AdamW or the Triton update, no host sync under host_sync=False
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("scope", ["per_optimizer", (1,)], ids=str)
+@pytest.mark.parametrize("host_sync", [True, False])
+@pytest.mark.parametrize("triton", [False, True])
+def test_clip_scope_on_cuda_follows_torch(tmp_path, scope, host_sync, triton):
+    """World size 1 on NCCL: two fused AdamWs (grads of very different scales), clipped per
+    scope, against the same two torch AdamWs on plain tensors with ``clip_grad_norm_`` per
+    scope; ``grad_norms`` against brute force; steady steps under
+    ``torch.cuda.set_sync_debug_mode("error")`` when ``host_sync=False``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from mfsdp_optim import FullyShardedOptimizer, OptimizerConfig
+    from mfsdp_optim.optim._triton_adam import TritonAdam
+
+    if triton and not TritonAdam.available():
+        pytest.skip("needs Triton")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        gen = torch.Generator().manual_seed(0)
+        shapes = [(64, 33), (7,), (128, 64), (5,)]
+        values = [torch.randn(s, generator=gen).cuda() for s in shapes]
+
+        def on_mesh(t):
+            return DTensor.from_local(t, mesh, [Shard(0)], run_check=False)
+
+        params = [torch.nn.Parameter(on_mesh(v.clone())) for v in values]
+        ref = [torch.nn.Parameter(v.clone()) for v in values]
+        kw = dict(lr=0.01, fused=True)
+        wrapper = FullyShardedOptimizer(
+            [torch.optim.AdamW(params[:2], **kw), torch.optim.AdamW(params[2:], **kw)],
+            OptimizerConfig(
+                clip_grad=0.5, clip_scope=scope, host_sync=host_sync, triton_adam_step=triton
+            ),
+        )
+        ref_opts = [torch.optim.AdamW(ref[:2], **kw), torch.optim.AdamW(ref[2:], **kw)]
+        for step in range(4):
+            grads = [
+                torch.randn(s, generator=gen).cuda() * (30.0 if i >= 2 else 0.3)
+                for i, s in enumerate(shapes)
+            ]
+            for p, r, g in zip(params, ref, grads, strict=True):
+                p.grad, r.grad = on_mesh(g.clone()), g.clone()
+            if step > 0 and not host_sync:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                wrapper.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            got = [float(v) for v in wrapper.grad_norms]
+            want = [
+                float(torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in part])))
+                for part in (grads[:2], grads[2:])
+            ]
+            assert got == pytest.approx(want, rel=1e-5)
+            if scope == "per_optimizer":
+                torch.nn.utils.clip_grad_norm_(ref[:2], 0.5)
+            torch.nn.utils.clip_grad_norm_(ref[2:], 0.5)
+            for o in ref_opts:
+                o.step()
+                o.zero_grad()
+            wrapper.zero_grad()
+        for p, r in zip(params, ref, strict=True):
+            torch.testing.assert_close(p.full_tensor(), r.detach(), rtol=1e-5, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
