@@ -42,7 +42,7 @@ def _old_reduce(buckets, norm_type, count_zeros, group):
     from mfsdp_optim.stats._math import finish_norm
     from mfsdp_optim.stats._reduce import _local_contribution
 
-    local = _local_contribution(buckets, norm_type, count_zeros, collective_device(group))
+    local = _local_contribution([buckets], norm_type, count_zeros, collective_device(group))
     local = torch.nn.functional.pad(local, (0, 1))
     dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
     failed = local[3] > 0

@@ -315,14 +315,21 @@ def test_owner_balance_at_8_ranks():
     assert units == plan_units(_llama_metas(8), "muon")
 
 
-def test_owners_stay_in_the_shard_group_on_hsdp():
+def test_muon_owners_span_the_replicas_on_hsdp():
     metas = [
         ParamMeta(f"w{i}", (0, 1, 2, 3), (2, 2), (("R",), ("S", 0)), (64, 32), "torch.float32")
         for i in range(6)
     ]
     units = plan_units([metas] * 4, "muon")
-    assert len(units) == 12  # one per param and replica group
+    # Muon: one unit per param, its owner any rank of any replica group; its shard group sends
+    # the input, the other replica group only receives the result
+    assert len(units) == 6
     for u in units:
         assert u.owner in u.members and len(u.members) == 2
+        assert len(u.receivers) == 2 and not set(u.receivers) & set(u.members)
+        assert {u.members, u.receivers} == {(0, 1), (2, 3)}
     counts = [sum(u.owner == r for u in units) for r in range(4)]
-    assert counts == [3, 3, 3, 3]
+    assert sorted(counts) == [1, 1, 2, 2]
+    # any other recipe: one unit per replica group, as before
+    generic = plan_units([metas] * 4, "generic")
+    assert len(generic) == 12 and all(not u.receivers for u in generic)

@@ -263,7 +263,7 @@ def test_stats_layer_uses_fused_bucket_path():
         (ts[0].device, torch.float32, 2, True): ts[:10],
         (ts[0].device, torch.float32, 1, False): ts[10:],
     }
-    got = _reduce._local_contribution(buckets, 2.0, True, ts[0].device)
+    got = _reduce._local_contribution([buckets], 2.0, True, ts[0].device)
     a = reference(ts[:10], **_kw(2.0, 2, True))
     b = reference(ts[10:], **_kw(2.0, 1, False))
     torch.testing.assert_close(got[:3], (a + b)[:3], rtol=1e-9, atol=0)

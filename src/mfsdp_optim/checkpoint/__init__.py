@@ -7,14 +7,20 @@ Map: ``save_checkpoint`` / ``load_checkpoint`` crash-safe, verified whole checkp
 ``prune_to_checkpoint`` fits a load target to an older format; ``to_torch_state_dict`` /
 ``from_torch_state_dict`` torch's layout; ``SafeFileSystemReader``/``SafeLoadPlanner`` reads
 that run no code; ``inspect_checkpoint`` and the CLI. Recipes: docs/checkpoint.md and
-docs/concepts.md, "The checkpoint layer's calls".
+docs/concepts.md, "The checkpoint layer's calls". Layers it may import: ``_infra``.
 """
 
 from .._infra.params import ParamRecord
 from ._build import KeyspaceError, build_sharded_state_dict
 from ._inspect import inspect_checkpoint
 from ._interop import from_torch_state_dict, to_torch_state_dict
-from ._load import StateDictMismatchError, load_sharded_state_dict
+
+# the wrapper layer's interface (``optim._checkpointing``): in-package, not public API
+from ._load import (
+    StateDictMismatchError,
+    load_sharded_state_dict,
+    load_sharded_state_dicts,  # noqa: F401
+)
 from ._materialize import materialize_optimizer_state
 from ._prune import prune_to_checkpoint
 from ._safe import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError, safe_read_metadata
@@ -28,6 +34,7 @@ from ._save import (
     save_checkpoint,
 )
 from ._stateful import OptimizerStateful
+from ._table import GroupMetaTable, OptimizerStateDict  # noqa: F401
 
 __all__ = [
     "CorruptCheckpointError",

@@ -15,7 +15,14 @@ import torch
 import torch.distributed as dist
 
 from .._infra.params import ParamRecord
-from ._keyspace import Keyspace, agree, describe, digest, local_keyspace, merge
+from ._keyspace import (
+    Keyspace,
+    agree_keyspace,
+    describe_state,
+    digest,
+    local_keyspace,
+    merge,
+)
 from ._layout import placeholder, wrap
 from ._materialize import materialize_optimizer_state
 from ._table import GroupMetaTable, OptimizerStateDict
@@ -80,10 +87,10 @@ def build_sharded_state_dict(
             init_state_fn(optimizer)
         else:
             materialize_optimizer_state(optimizer)
-    local = describe(optimizer, records)
+    local = describe_state(optimizer, records)
     keyspace = local_keyspace(local)
     table = _table(keyspace)
-    descriptions = agree(local, digest(local, table.fingerprint()), group)
+    descriptions = agree_keyspace(local, digest(local, table.fingerprint()), group)
     if descriptions is not None:
         keyspace, errors = merge(descriptions)
         if errors:

@@ -1,14 +1,14 @@
 """The rank-consistent keyspace: derived locally on every rank, agreed with a fixed-size digest.
 
-Map: ``describe`` this rank's ``LocalState`` (per FQN the sorted ``(state key, dtype)``
+Map: ``describe_state`` this rank's ``LocalState`` (per FQN the sorted ``(state key, dtype)``
 signature, ``derive_signature`` for a param its optimizer does not hold, plus the table it will
-emit); ``digest`` + ``agree`` (``_infra.agreement``): ONE 32-byte ``all_reduce``, all match?
-``local_keyspace`` the common case, ``merge`` the detailed exchange's fallback (one
-``all_gather_object`` of compact descriptions). The decision to fall back is the all-reduce's
-result, so every rank issues the same collectives; nothing is raised before one.
-``scratch_copy`` (an optimizer stepping zero clones: used here to derive signatures and by
-``_materialize``, which comes after this module on the build path). The protocol and the
-description's fields: docs/concepts.md, "Inside the checkpoint layer".
+emit); ``digest`` + ``agree_keyspace`` (over ``_infra.agreement.agree``): ONE 32-byte
+``all_reduce``, all match? ``local_keyspace`` the common case, ``merge`` the detailed
+exchange's fallback (one ``all_gather_object`` of compact descriptions). The decision to fall
+back is the all-reduce's result, so every rank issues the same collectives; nothing is raised
+before one. ``scratch_copy`` (an optimizer stepping zero clones: used here to derive signatures
+and by ``_materialize``, which comes after this module on the build path). The protocol and the
+description's fields: docs/internals.md, "Inside the checkpoint layer".
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from ._values import PlainValueError, dtype_name, group_meta
 __all__ = [
     "Keyspace",
     "LocalState",
-    "agree",
+    "agree_keyspace",
     "derive_signature",
-    "describe",
+    "describe_state",
     "merge",
     "scratch_copy",
 ]
@@ -103,7 +103,7 @@ def derive_signature(
     )
 
 
-def describe(optimizer: torch.optim.Optimizer, records: Sequence[ParamRecord]) -> LocalState:
+def describe_state(optimizer: torch.optim.Optimizer, records: Sequence[ParamRecord]) -> LocalState:
     """Classify this rank's state and build its compact description (no collective)."""
     errors: list[str] = []
     group_of = _group_index(optimizer)
@@ -212,7 +212,9 @@ def digest(local: LocalState, table_fingerprint: str) -> list[int]:
     return out
 
 
-def agree(local: LocalState, values: list[int], group: dist.ProcessGroup | None) -> list | None:
+def agree_keyspace(
+    local: LocalState, values: list[int], group: dist.ProcessGroup | None
+) -> list | None:
     """None on every rank iff every rank of ``group`` passed the same non-negative ``values``
     (``digest``), else every rank's description, on every rank: the rank-agreement protocol
     (``_infra.agreement.agree``), ONE ``all_reduce(MAX)`` of ``[v, -v]`` (16 bytes per value,

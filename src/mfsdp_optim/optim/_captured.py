@@ -278,13 +278,9 @@ class CapturedStep:
     def _keep_alive(self) -> list[Any]:
         """What the graph reads that caches may drop (tables, workspaces, the verdict slots):
         held while the capture lives, so no replay reads freed memory."""
-        from ..stats import _fused, _reduce
+        from ..stats import capture_keepalive
 
-        keep: list[Any] = [
-            list(_fused._table_cache.values()),
-            list(_fused._workspaces.values()),
-            list(_reduce._SLOTS._cache.values()),
-        ]
+        keep: list[Any] = capture_keepalive()
         for e in self.wrapper._engines:
             keep.append(e.fast._groups)
             if e.triton is not None:

@@ -64,8 +64,7 @@ def build_state_dict(
     init_state_fn: Callable[[torch.optim.Optimizer], None] | None,
 ) -> dict[str, Any]:
     """The fsdp_dtensor state dict over every engine's params."""
-    from ..checkpoint import build_sharded_state_dict
-    from ..checkpoint._table import GroupMetaTable, OptimizerStateDict
+    from ..checkpoint import GroupMetaTable, OptimizerStateDict, build_sharded_state_dict
 
     parts = []
     for e in engines:
@@ -89,7 +88,7 @@ def build_state_dict(
 def load_state_dict(engines: Sequence[Engine], sd: dict[str, Any]) -> None:
     """Load the fsdp_dtensor state dict ``sd`` into every engine (all or nothing); the caller
     invalidates the engines' caches around it."""
-    from ..checkpoint._load import load_sharded_state_dicts
+    from ..checkpoint import load_sharded_state_dicts
 
     records = [records_of(e) for e in engines]
     parts = [sd] if len(engines) == 1 else _split(sd, records)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import KW_ONLY, dataclass, field
 
 import torch.distributed as dist
 
-from ..stats._math import check_norm_type
+from ..stats import check_norm_type
 from ._kinds import check_update_kinds
 
 __all__ = ["OptimizerConfig"]
@@ -66,6 +66,17 @@ class OptimizerConfig:
             how" page): "elementwise" steps local shards (every element's update reads only
             that element); "whole_param" computes each param's update on the whole param.
             Unknown classes default to "whole_param" (exact), with a warning.
+        clip_scope: Keyword-only. Which base optimizers ``clip_grad`` clips, and by which norm:
+            ``"global"`` (the default) every one by the global norm of all grads;
+            ``"per_optimizer"`` each by the norm of its own grads; a collection of base-optimizer
+            indices (e.g. ``{1}`` for the AdamW of ``[Muon, AdamW]``) only those, by the norm of
+            their grads together, the others unclipped. Every scope costs the same single
+            collective; ``step()`` reports the global norm, ``wrapper.grad_norms`` each base
+            optimizer's (see "Clipping Muon and AdamW" on the documentation's optimizers page).
+        batched_newton_schulz: Keyword-only. Muon's owners run Newton-Schulz once per matrix
+            shape over all the matrices of that shape they own (batched GEMMs) instead of once
+            per matrix. Bit for bit torch's per-matrix result on CPU; on CUDA batched GEMMs may
+            round differently, so it is off by default (see the documentation's optimizers page).
     """
 
     clip_grad: float = 0.0
@@ -79,6 +90,8 @@ class OptimizerConfig:
     host_sync: bool = True
     cuda_graph: bool = False
     update_kinds: Mapping[type, str] = field(default_factory=dict)
+    clip_scope: str | Collection[int] = "global"
+    batched_newton_schulz: bool = False
 
     def __post_init__(self) -> None:
         clip = self.clip_grad
@@ -110,3 +123,33 @@ class OptimizerConfig:
                 "host_sync=False) and read the returned device tensors when you log them."
             )
         self.update_kinds = check_update_kinds(self.update_kinds)
+        self.clip_scope = _check_clip_scope(self.clip_scope)
+        self.batched_newton_schulz = bool(
+            _flag(self.batched_newton_schulz, "batched_newton_schulz")
+        )
+
+
+def _check_clip_scope(scope: object) -> str | tuple[int, ...]:
+    """``"global"``, ``"per_optimizer"``, or the indices as a sorted tuple of distinct ints."""
+    if isinstance(scope, str):
+        if scope in ("global", "per_optimizer"):
+            return scope
+        raise ValueError(
+            'OptimizerConfig.clip_scope must be "global", "per_optimizer" or a collection of '
+            f"base-optimizer indices, got {scope!r}"
+        )
+    if not isinstance(scope, Collection):
+        raise TypeError(
+            'OptimizerConfig.clip_scope must be "global", "per_optimizer" or a collection of '
+            f"base-optimizer indices (ints), got {scope!r}"
+        )
+    indices = list(scope)
+    for i in indices:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral) or int(i) < 0:
+            raise TypeError(
+                "OptimizerConfig.clip_scope's indices must be ints >= 0 (positions in the "
+                f"wrapper's list of base optimizers), got {i!r} in {scope!r}"
+            )
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"OptimizerConfig.clip_scope lists an index twice: {scope!r}")
+    return tuple(sorted(int(i) for i in indices))

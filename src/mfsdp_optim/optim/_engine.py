@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..stats._buckets import Buckets
+from ..stats import Buckets
 from ._config import OptimizerConfig
 from ._dispatch import Route, base_step, detect_precision_aware, route_of
 from ._fast_step import FastAdamStep
@@ -27,7 +27,7 @@ from ._prepare import Preparer
 from ._slots import SlotTable
 from ._triton_adam import TritonAdam
 
-__all__ = ["Engine", "merge_buckets"]
+__all__ = ["Engine"]
 
 
 class Engine:
@@ -45,6 +45,7 @@ class Engine:
         # host_sync=False: create a first step's state up front, so the fast step (and its
         # device-side skip) runs from the first step instead of a host read deciding it
         self.state_first = not config.host_sync
+        self.batched_ns = config.batched_newton_schulz
         self.kind = kind_of(optimizer, config.update_kinds)
         aware, self.decoupled = detect_precision_aware(optimizer)
         if config.precision_aware is not None:
@@ -131,7 +132,7 @@ class Engine:
     def _create_first_state(self) -> None:
         """The state the first step would create (zeros, ``step`` 0), for the params that have
         none; a skipped first step then leaves this state where stock leaves none."""
-        from ..checkpoint._materialize import materialize_optimizer_state
+        from ..checkpoint import materialize_optimizer_state
 
         materialize_optimizer_state(self.optimizer)
         self.fast.invalidate()
@@ -202,6 +203,7 @@ class Engine:
                 group=self.group,
                 plan_cache=self.whole_plan,
                 names=[s.fqn for s in self.table.slots],
+                batched_ns=self.batched_ns,
             )
         finally:
             for s in swapped:
@@ -236,14 +238,3 @@ def _frozen_values(group: dict[str, Any]) -> tuple | None:
     """The group's hyperparameter values, or None when one may change in place."""
     values = tuple(v for k, v in group.items() if k != "params")
     return None if any(isinstance(v, _MUTABLE) for v in values) else values
-
-
-def merge_buckets(parts: list[Buckets]) -> Buckets:
-    """The buckets of several engines as one (one stats collective for all their grads)."""
-    if len(parts) == 1:
-        return parts[0]
-    merged: dict[Any, list[torch.Tensor]] = {}
-    for part in parts:
-        for key, tensors in part.items():
-            merged.setdefault(key, []).extend(tensors)
-    return merged

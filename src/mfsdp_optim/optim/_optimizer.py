@@ -1,8 +1,9 @@
 """``FullyShardedOptimizer``: any ``torch.optim`` optimizer (or several) over DTensor params.
 
-The step contract: prepare (``_step``: unscale, cast, ONE grad_stats collective over every base
-optimizer's grads) -> found_inf and a grad scaler: skip on every rank, update the scaler ->
-clip to ``config.clip_grad`` -> each engine's base step (``_engine``) -> restore cast grads.
+The step contract: prepare (``_prepared``: unscale, cast, ONE grad_stats collective over every
+base optimizer's grads, each one's norm in the same row) -> found_inf and a grad scaler: skip on
+every rank, update the scaler -> clip to ``config.clip_grad`` under ``config.clip_scope`` -> each
+engine's base step (``_engine``) -> restore cast grads.
 This class keeps the stages, the config and the checkpoint adapter (``_checkpointing``); the
 stock optimizer surface is ``_surface.OptimizerSurface``; each base optimizer's caches live in
 its ``Engine``.
@@ -11,17 +12,17 @@ its ``Engine``.
 from __future__ import annotations
 
 import enum
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from ..stats._clip import check_max_norm, clip_divisor, scale_by_clip_coef_
+from .._infra.grouping import by_device_dtype
+from ..stats import check_max_norm, clip_divisor, scale_by_clip_coef_
 from . import _checkpointing
 from ._config import OptimizerConfig
 from ._grad_scaler import GradScaler
-from ._step import Prepared, StepResult, prepare, stats_of
+from ._prepared import Prepared, StepResult, clip_norms, prepare, stats_of
 from ._surface import OptimizerSurface
 
 __all__ = ["FullyShardedOptimizer", "OptimizerConfig", "Stage"]
@@ -70,11 +71,26 @@ class FullyShardedOptimizer(OptimizerSurface):
         self._init_state_fn = init_state_fn
         self._stage = Stage.READY
         self.last_update_successful: bool | None = None
+        self._grad_norms: tuple[Any, ...] = ()
+        scope = self.config.clip_scope
+        if isinstance(scope, tuple) and scope and scope[-1] >= len(self.optimizers):
+            raise ValueError(
+                f"OptimizerConfig.clip_scope={scope!r} names base optimizer {scope[-1]}, but the "
+                f"wrapper has {len(self.optimizers)} (indices 0 to {len(self.optimizers) - 1})"
+            )
         self._captured: Any = None  # OptimizerConfig(cuda_graph=True): _captured.CapturedStep
         if self.config.cuda_graph:
             from ._captured import CapturedStep
 
             self._captured = CapturedStep(self)
+
+    @property
+    def grad_norms(self) -> tuple[Any, ...]:
+        """Each base optimizer's pre-clip grad norm (``config.norm_type``) from the last
+        ``step()``, in ``optimizers`` order: floats, or 0-d device tensors under
+        ``OptimizerConfig(host_sync=False)``; from the step's one collective; ``()`` before the
+        first step. Non-finite where that step's grads were."""
+        return self._grad_norms
 
     # ------------------------------------------------------------------------------------------
     # the step
@@ -105,7 +121,7 @@ class FullyShardedOptimizer(OptimizerSurface):
     def _current_stats(self, count_zeros: bool):
         cfg = self.config
         prepared = self._stage is Stage.PREPARED
-        grads = [g for e in self._engines for g in e.current_grads(prepared)]
+        grads = [e.current_grads(prepared) for e in self._engines]
         return stats_of(
             grads,
             norm_type=cfg.norm_type,
@@ -113,7 +129,7 @@ class FullyShardedOptimizer(OptimizerSurface):
             group=cfg.grad_stats_group,
             host_sync=cfg.host_sync,
             in_group=self._engines[0].table.in_stats_group,
-        )
+        ).stats
 
     def _check_ready_for_step(self, what: str) -> None:
         if self._stage is not Stage.PREPARED:
@@ -149,13 +165,18 @@ class FullyShardedOptimizer(OptimizerSurface):
         self._run_engines(None, None)
         return True
 
-    def _run_engines(self, clip_norm: torch.Tensor | None, gate: torch.Tensor | None) -> None:
-        """Every engine's base step (clipped to ``config.clip_grad`` by ``clip_norm``), then
-        stage STEPPED even if one raises; ``gate``: skip on the device where it is 1."""
+    def _run_engines(
+        self, clip_norms: Sequence[torch.Tensor | None] | None, gate: torch.Tensor | None
+    ) -> None:
+        """Every engine's base step (clipped to ``config.clip_grad`` by its entry of
+        ``clip_norms``; None: unclipped), then stage STEPPED even if one raises; ``gate``: skip
+        on the device where it is 1."""
         clip = self.config.clip_grad
         pending = list(self._engines)
+        norms = list(clip_norms) if clip_norms is not None else [None] * len(pending)
         try:
             while pending:
+                clip_norm = norms[len(norms) - len(pending)]
                 e = pending.pop(0)
                 divisor = None
                 if clip_norm is not None:
@@ -192,12 +213,8 @@ class FullyShardedOptimizer(OptimizerSurface):
         max_norm = check_max_norm(max_norm)
         norm = self._current_stats(False).total_norm
         prepared = self._stage is Stage.PREPARED
-        by_key: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-        for e in self._engines:
-            for g in e.current_grads(prepared):
-                local = g._local_tensor
-                by_key[(local.device, local.dtype)].append(local)
-        scale_by_clip_coef_(by_key, max_norm, norm)
+        grads = [g for e in self._engines for g in e.current_grads(prepared)]
+        scale_by_clip_coef_(by_device_dtype(grads), max_norm, norm)
         return float(norm)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -253,7 +270,7 @@ class FullyShardedOptimizer(OptimizerSurface):
         scaler, on_host = self.grad_scaler, self.config.host_sync
         # without a scaler the host waits only after the update is enqueued (see _step)
         prep = self._prepare(defer=on_host and scaler is None)
-        stats, result = prep.stats, StepResult(prep.stats, prep.host)
+        stats, result = prep.stats, StepResult(prep.seg, prep.host)
         device_skip = None
         if scaler is not None:
             if not on_host and all(e.skips_on_device() for e in self._engines):
@@ -267,14 +284,17 @@ class FullyShardedOptimizer(OptimizerSurface):
                         e.skip()
                     self._stage = Stage.STEPPED
                     self.last_update_successful = False
+                    self._grad_norms = result.norms(on_host)
                     return result.values(False, on_host)
         gate = device_skip if prep.deferred is None else prep.deferred[0]
-        clip_norm = stats.total_norm if self.config.clip_grad > 0 else None
-        self._run_engines(clip_norm, None if gate is None else gate.to(torch.float32))
+        cfg = self.config
+        clipped = clip_norms(prep.seg, cfg.clip_scope, cfg.norm_type) if cfg.clip_grad > 0 else None
+        self._run_engines(clipped, None if gate is None else gate.to(torch.float32))
         if prep.deferred is not None:
             # the collective's verdict (raises on every rank if one failed) and the values: it
             # waits for the stats' host copy, enqueued before the update, not for the update
             result.host = prep.deferred[1]()
+        self._grad_norms = result.norms(on_host)
         if device_skip is not None:
             self.last_update_successful = None  # decided on the device: see step()'s result
             return ~device_skip, stats.total_norm, stats.num_zeros

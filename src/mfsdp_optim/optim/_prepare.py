@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .._infra.grouping import by_device
 from .._infra.placement import in_layout_of
-from ..stats._buckets import BucketKey, Buckets, layout_of
+from ..stats import BucketKey, Buckets, layout_of
 from ._slots import Slot
 
 __all__ = ["PreparePlan", "Preparer"]
@@ -190,10 +191,7 @@ class Preparer:
 
     def unscale(self, inv_scale_on, buckets: Buckets) -> None:
         """Multiply every bucketed local grad by the inverse loss scale, in float32 math."""
-        by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-        for (device, *_), tensors in buckets.items():
-            by_device[device].extend(tensors)
-        for device, tensors in by_device.items():
+        for device, tensors in by_device(t for ts in buckets.values() for t in ts).items():
             # its own found_inf is unused: the stats collective decides, for every rank together
             scratch = torch.zeros(1, dtype=torch.float32, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(tensors, scratch, inv_scale_on(device))
@@ -205,19 +203,18 @@ class Preparer:
             for s in slots:
                 s.work_grad = None
             return
-        dst: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-        src: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        pairs: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for s in slots:
             if s.saved_grad is not None and s.work_grad is not None:
                 d = s.saved_grad._local_tensor
-                key = (d.device, d.dtype)
-                dst[key].append(d)
-                src[key].append(s.work_grad._local_tensor)
+                dst, src = pairs.setdefault((d.device, d.dtype), ([], []))
+                dst.append(d)
+                src.append(s.work_grad._local_tensor)
             s.work_grad = None
             s.saved_grad = None
         self.any_cast = False
-        for key in dst:
-            torch._foreach_copy_(dst[key], src[key])
+        for dst, src in pairs.values():
+            torch._foreach_copy_(dst, src)
 
     def drop(self, slots: list[Slot]) -> None:
         """Forget the work grads without copying anything back (zero_grad)."""

@@ -9,14 +9,14 @@ dicts, ``param_groups``/``state``/``defaults`` (the base optimizers', the same o
 from __future__ import annotations
 
 import collections
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from .._infra.caches import clear_all
+from .._infra.grouping import by_device_dtype
 from . import _checkpointing
 from ._config import OptimizerConfig
 from ._engine import Engine
@@ -162,7 +162,7 @@ class OptimizerSurface(torch.optim.Optimizer):
         Args:
             set_to_none: Set the grads to None (True) or zero them in place (False).
         """
-        by_key: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        grads: list[torch.Tensor] = []
         for e in self._engines:
             e.drop()
             for g in e.optimizer.param_groups:
@@ -170,9 +170,8 @@ class OptimizerSurface(torch.optim.Optimizer):
                     if set_to_none:
                         p.grad = None
                     elif p.grad is not None:
-                        local = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
-                        by_key[(local.device, local.dtype)].append(local)
-        for tensors in by_key.values():
+                        grads.append(p.grad)
+        for tensors in by_device_dtype(grads).values():
             torch._foreach_zero_(tensors)
         self._on_zero_grad()
 

@@ -10,13 +10,13 @@ docs/concepts.md, "Replication".
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .._infra.grouping import by_device_dtype
 from .._infra.placement import layout_info, require_dtensor
 from ._buckets import bucket_local_shards
 from ._clip import check_max_norm, scale_by_clip_coef_
@@ -178,11 +178,5 @@ def clip_grads_with_norm_(
     max_norm = check_max_norm(max_norm)
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    by_device_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-    for p in parameters:
-        grad = p.grad
-        if grad is None:
-            continue
-        local = grad._local_tensor if isinstance(grad, DTensor) else grad
-        by_device_dtype[(local.device, local.dtype)].append(local)
-    scale_by_clip_coef_(by_device_dtype, max_norm, total_norm)
+    groups = by_device_dtype(p.grad for p in parameters)
+    scale_by_clip_coef_(groups, max_norm, total_norm)

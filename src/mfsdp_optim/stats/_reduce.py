@@ -1,8 +1,10 @@
 """One rank's contribution to the grad statistics, and the one collective that combines them.
 
 Every rank of the grad-stats group sends ONE fixed-size float64 row in ONE all-gather, whatever
-its arguments: ``[norm_slot, zeros, nonfinite | failed, norm_type, count_zeros, magic]``, its
-contribution (``_math``) and the verdict slots of the rank-agreement protocol
+its arguments: ``[norm_slot, zeros, nonfinite | segment norm slots | failed, norm_type,
+count_zeros, magic]``, its contribution (``_math``), one norm slot per *segment* when
+the grads come in several (the wrapper's base optimizers: their norms ride in the same row; a
+single segment adds no slot) and the verdict slots of the rank-agreement protocol
 (``_infra.agreement.VerdictSlots``: a refused rank, differing arguments or a foreign row raise on
 every rank; a second, fixed-size all-gather of messages only when a rank failed). Healthy case:
 that one collective, combined locally (a sum, or a max for ``p = inf``); ``host_sync=False``
@@ -12,7 +14,7 @@ keeps the verdict on the device (a NaN norm and ``found_inf`` on the healthy ran
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -38,12 +40,21 @@ __all__ = [
     "GradStats",
     "RankFailedError",
     "StatsArgumentMismatchError",
+    "Parts",
+    "SegmentStats",
     "packed_values",
     "reduce_buckets",
     "reduce_buckets_deferred",
     "reduce_buckets_read",
+    "reduce_segments",
+    "reduce_segments_read",
     "require_member",
+    "segment_norm",
 ]
+
+# the grads of one call: one ``Buckets`` per segment (a bare ``Buckets`` is one segment), or the
+# exception that collecting them raised on this rank
+Parts = Buckets | Sequence[Buckets] | BaseException
 
 
 class StatsArgumentMismatchError(RankMismatchError):
@@ -66,7 +77,16 @@ _SLOTS = VerdictSlots(
     mismatch=StatsArgumentMismatchError,
 )
 _CONTRIBUTION = NONFINITE_SLOT + 1
-_ROW = _CONTRIBUTION + _SLOTS.width
+
+
+def _segment_width(segments: int) -> int:
+    """Extra norm slots in the row: one per segment, none for a single segment (its norm is
+    the total)."""
+    return segments if segments > 1 else 0
+
+
+def _row_width(segments: int) -> int:
+    return _CONTRIBUTION + _segment_width(segments) + _SLOTS.width
 
 
 class GradStats(NamedTuple):
@@ -85,8 +105,39 @@ class GradStats(NamedTuple):
     found_inf: torch.Tensor
 
 
+class SegmentStats(NamedTuple):
+    """``GradStats`` of every segment together, with each segment's own norm from the same row.
+
+    Attributes:
+        stats: The statistics over every segment's grads.
+        norms: 1-D float32, each segment's norm (pre-clip), equal on every rank; NaN where the
+            device-side verdict found a failed rank (like ``stats.total_norm``).
+        slots: 1-D float64, each segment's combined norm slot (``sum |x|**p``, or ``max|x|`` for
+            ``p = inf``): what ``segment_norm`` combines for the norm of several segments.
+    """
+
+    stats: GradStats
+    norms: torch.Tensor
+    slots: torch.Tensor
+
+
+def segment_norm(seg: SegmentStats, indices: Sequence[int], norm_type: float) -> torch.Tensor:
+    """The norm of the concatenated grads of the segments ``indices`` (0-d float32, on the
+    device, no host read): their slots combined as the ranks' are (a sum, a max for ``inf``)."""
+    p = float(norm_type)
+    idx = list(indices)
+    if len(idx) == seg.norms.numel():
+        return seg.stats.total_norm
+    if len(idx) == 1:
+        return seg.norms[idx[0]]
+    # views stacked, not an index tensor: no host-to-device copy (CUDA-graph safe)
+    chosen = torch.stack([seg.slots[i] for i in idx])
+    slot = chosen.amax() if math.isinf(p) else chosen.sum()
+    return finish_norm(slot, p)
+
+
 def reduce_buckets(
-    buckets: Buckets | BaseException,
+    buckets: Parts,
     *,
     norm_type: float,
     count_zeros: bool,
@@ -107,51 +158,82 @@ def reduce_buckets(
     others cannot know without a host read, so they get ``total_norm=NaN`` and
     ``found_inf=True`` on the device (a grad scaler then skips the step on every rank).
     """
+    kw: dict[str, Any] = dict(norm_type=norm_type, count_zeros=count_zeros, group=group)
     if host_sync:
-        return reduce_buckets_read(
-            buckets, norm_type=norm_type, count_zeros=count_zeros, group=group
-        )[0]
-    require_member(group)
-    device = collective_device(group)
-    rows, failure, p, _ = _gather_rows(buckets, norm_type, count_zeros, group, device)
-    if failure is not None:
-        raise failure
-    return _device_verdict(rows, p, bool(count_zeros))
+        return reduce_segments_read(buckets, segments=1, **kw)[0].stats
+    return reduce_segments(buckets, segments=1, **kw).stats
 
 
 def reduce_buckets_read(
-    buckets: Buckets | BaseException,
+    buckets: Parts,
     *,
     norm_type: float,
     count_zeros: bool,
     group: dist.ProcessGroup | None,
 ) -> tuple[GradStats, list[float]]:
     """``reduce_buckets(host_sync=True)``, and the statistics on the host from the same single
-    read: ``[found_inf, total_norm]`` (+ ``[num_zeros]`` with ``count_zeros``) as floats."""
+    read: ``[found_inf, total_norm, num_zeros]`` as floats (``num_zeros`` 0 unless counted)."""
+    seg, values = reduce_segments_read(
+        buckets, segments=1, norm_type=norm_type, count_zeros=count_zeros, group=group
+    )
+    return seg.stats, values[:3]
+
+
+def reduce_segments(
+    parts: Parts,
+    *,
+    segments: int,
+    norm_type: float,
+    count_zeros: bool,
+    group: dist.ProcessGroup | None,
+) -> SegmentStats:
+    """``reduce_buckets(host_sync=False)`` over ``segments`` segments (``parts``: one
+    ``Buckets`` per segment, every rank the same number): the totals and each segment's norm
+    from the same single collective, nothing read on the host."""
+    require_member(group)
+    device = collective_device(group)
+    rows, failure, p, _ = _gather_rows(parts, norm_type, count_zeros, group, device, segments)
+    if failure is not None:
+        raise failure
+    return _device_verdict(rows, p, bool(count_zeros), segments)
+
+
+def reduce_segments_read(
+    parts: Parts,
+    *,
+    segments: int,
+    norm_type: float,
+    count_zeros: bool,
+    group: dist.ProcessGroup | None,
+) -> tuple[SegmentStats, list[float]]:
+    """``reduce_segments`` with the verdict read on the host, and the statistics on the host
+    from the same single read: ``[found_inf, total_norm, num_zeros, *segment norms]`` as
+    floats (``num_zeros`` 0 unless counted)."""
     require_member(group)
     device = collective_device(group)
     rows, failure, p, world = _gather_rows(
-        buckets, norm_type, count_zeros, group, device, host_reads=True
+        parts, norm_type, count_zeros, group, device, segments, host_reads=True
     )
-    stats, read = _start_read(rows, failure, p, bool(count_zeros))
+    seg, read = _start_read(rows, failure, p, bool(count_zeros), segments)
     values = _verdict_on_host(read, failure, group, device, world)
-    assert stats is not None  # a failure raised in the verdict
-    return stats, values
+    assert seg is not None  # a failure raised in the verdict
+    return seg, values
 
 
 def reduce_buckets_deferred(
-    buckets: Buckets | BaseException,
+    buckets: Parts,
     *,
     norm_type: float,
     count_zeros: bool,
     group: dist.ProcessGroup | None,
-) -> tuple[GradStats, torch.Tensor, Callable[[], list[float]]]:
-    """``reduce_buckets_read()`` with its host-side verdict postponed: ``(stats, bad, verdict)``.
+    segments: int = 1,
+) -> tuple[SegmentStats, torch.Tensor, Callable[[], list[float]]]:
+    """``reduce_segments_read()`` with its host-side verdict postponed: ``(seg, bad, verdict)``.
 
-    ``stats`` and ``bad`` (a 0-d bool tensor: some rank failed or ranks disagree) stay on the
+    ``seg`` and ``bad`` (a 0-d bool tensor: some rank failed or ranks disagree) stay on the
     device; ``verdict()`` later does what ``reduce_buckets`` does right after the collective
     (the message gather when some rank failed, the raise) and returns the host values of
-    ``reduce_buckets_read``, so a caller can enqueue device work that ``bad`` gates (the
+    ``reduce_segments_read``, so a caller can enqueue device work that ``bad`` gates (the
     wrapper's fused update) before the host waits. The host copy is enqueued here, before that
     work (``comm.HostRead``): ``verdict()`` waits for the statistics, not for the update.
     A rank whose own input failed gets a ``verdict`` that raises at once; it must still call it
@@ -159,34 +241,39 @@ def reduce_buckets_deferred(
     """
     require_member(group)
     device = collective_device(group)
-    stats_rows = _gather_rows(buckets, norm_type, count_zeros, group, device, host_reads=True)
-    rows, failure, p, world = stats_rows
-    stats, read = _start_read(rows, failure, p, bool(count_zeros))
-    if stats is None:
+    rows, failure, p, world = _gather_rows(
+        buckets, norm_type, count_zeros, group, device, segments, host_reads=True
+    )
+    seg, read = _start_read(rows, failure, p, bool(count_zeros), segments)
+    if seg is None:
+        nan = torch.full((segments,), torch.nan)
+        failed = GradStats(torch.full((), torch.nan), None, torch.ones((), dtype=torch.bool))
         return (
-            GradStats(torch.full((), torch.nan), None, torch.ones((), dtype=torch.bool)),
+            SegmentStats(failed, nan, nan.double()),
             torch.ones((), dtype=torch.bool),
             lambda: _verdict_on_host(read, failure, group, device, world),
         )
     return (
-        stats,
+        seg,
         _bad(rows, p, bool(count_zeros)),
         lambda: _verdict_on_host(read, None, group, device, world),
     )
 
 
 def _gather_rows(
-    buckets: Buckets | BaseException,
+    parts: Parts,
     norm_type: float,
     count_zeros: bool,
     group: dist.ProcessGroup | None,
     device: torch.device,
+    segments: int,
     host_reads: bool = False,
 ) -> tuple[torch.Tensor, BaseException | None, float, int]:
-    """This rank's row (contribution, failure flag, arguments, marker) and THE collective:
-    every rank's rows, ``(rows, this rank's failure, p, world)``. ``host_reads``: the CPU stats
-    may read their own CPU flags before the collective (see ``stats._cpu``)."""
-    failure = buckets if isinstance(buckets, BaseException) else None
+    """This rank's row (contribution, segment norm slots, failure flag, arguments, marker) and
+    THE collective: every rank's rows, ``(rows, this rank's failure, p, world)``.
+    ``host_reads``: the CPU stats may read their own CPU flags before the collective (see
+    ``stats._cpu``). The row's width depends on ``segments`` alone, never on the input."""
+    failure = parts if isinstance(parts, BaseException) else None
     p = math.nan
     contribution = None
     if failure is None:
@@ -195,7 +282,7 @@ def _gather_rows(
             if count_zeros not in (True, False):
                 raise TypeError(f"count_zeros must be True or False, got {count_zeros!r}")
             contribution = _local_contribution(
-                buckets,  # type: ignore[arg-type]
+                _as_segments(parts, segments),  # type: ignore[arg-type]
                 p,
                 bool(count_zeros),
                 device,
@@ -204,35 +291,46 @@ def _gather_rows(
         except Exception as exc:  # any type: the peers must hear of it, not wait for it
             failure = exc
     if failure is not None:
-        p, contribution = math.nan, empty_contribution(device)
+        p = math.nan
+        contribution = torch.zeros(_CONTRIBUTION + _segment_width(segments), device=device)
+        contribution = contribution.to(torch.float64)
     assert contribution is not None
     slots = _SLOTS.encode(device, failure is not None, (p, count_zeros is True))
     row = torch.cat([contribution, slots])
     world = dist.get_world_size(group)
-    rows = row.new_empty(world * _ROW)
+    width = _row_width(segments)
+    rows = row.new_empty(world * width)
     comm._all_gather_flat(rows, row, group)  # THE collective: one per call on every rank
-    rows = rows.view(world, _ROW)
+    rows = rows.view(world, width)
     return rows, failure, p, world
 
 
+def _as_segments(parts: Buckets | Sequence[Buckets], segments: int) -> list[Buckets]:
+    """``parts`` as a list of ``segments`` bucket dicts (a bare dict is one segment)."""
+    listed = [parts] if isinstance(parts, dict) else list(parts)
+    if len(listed) != segments:
+        raise ValueError(f"expected grads in {segments} segments, got {len(listed)}")
+    return listed  # type: ignore[return-value]
+
+
 def _start_read(
-    rows: torch.Tensor, failure: BaseException | None, p: float, count_zeros: bool
-) -> tuple[GradStats | None, HostRead]:
+    rows: torch.Tensor, failure: BaseException | None, p: float, count_zeros: bool, segments: int
+) -> tuple[SegmentStats | None, HostRead]:
     """The statistics (None when this rank failed) and ONE host copy, started now, of every
-    rank's flags followed by ``[found_inf, total_norm(, num_zeros)]`` in float64."""
-    flags = rows[:, _CONTRIBUTION:].reshape(-1)
+    rank's flags followed by ``[found_inf, total_norm, num_zeros, *segment norms]`` in
+    float64."""
+    flags = rows[:, -_SLOTS.width :].reshape(-1)
     if failure is not None:
         return None, HostRead(flags)
-    stats = _finish(rows, p, count_zeros)
-    return stats, HostRead(torch.cat([flags, packed_values(stats)]))
+    seg = _finish(rows, p, count_zeros, segments)
+    return seg, HostRead(torch.cat([flags, packed_values(seg.stats), seg.norms.double()]))
 
 
 def packed_values(stats: GradStats) -> torch.Tensor:
-    """``[found_inf, total_norm(, num_zeros)]`` as one float64 vector on the stats' device: the
-    layout of every host read of the statistics (``reduce_buckets_read``'s values)."""
-    values = [stats.found_inf, stats.total_norm]
-    if stats.num_zeros is not None:
-        values.append(stats.num_zeros)
+    """``[found_inf, total_norm, num_zeros]`` as one float64 vector on the stats' device
+    (``num_zeros`` 0 when not counted): the head of every host read of the statistics."""
+    zeros = stats.num_zeros if stats.num_zeros is not None else torch.zeros_like(stats.found_inf)
+    values = [stats.found_inf, stats.total_norm, zeros]
     return torch.stack([v.to(torch.float64) for v in values])
 
 
@@ -251,28 +349,36 @@ def _verdict_on_host(
     return host[world * width :].tolist()
 
 
-def _finish(rows: torch.Tensor, p: float, count_zeros: bool) -> GradStats:
-    total = combine_contributions(rows[:, : NONFINITE_SLOT + 1], p)
+def _finish(rows: torch.Tensor, p: float, count_zeros: bool, segments: int) -> SegmentStats:
+    total = combine_contributions(rows[:, :_CONTRIBUTION], p)
     norm = finish_norm(total[NORM_SLOT], p)
     num_zeros = total[ZEROS_SLOT].round().to(torch.int64) if count_zeros else None
-    return GradStats(total_norm=norm, num_zeros=num_zeros, found_inf=total[NONFINITE_SLOT] > 0)
+    stats = GradStats(total_norm=norm, num_zeros=num_zeros, found_inf=total[NONFINITE_SLOT] > 0)
+    if segments == 1:
+        return SegmentStats(stats, norm.view(1), total[NORM_SLOT : NORM_SLOT + 1])
+    part = rows[:, _CONTRIBUTION : _CONTRIBUTION + segments]
+    slots = part.amax(dim=0) if math.isinf(p) else part.sum(dim=0)
+    return SegmentStats(stats, finish_norm(slots, p), slots)
 
 
-def _device_verdict(rows: torch.Tensor, p: float, count_zeros: bool) -> GradStats:
+def _device_verdict(rows: torch.Tensor, p: float, count_zeros: bool, segments: int) -> SegmentStats:
     """``_finish`` with every check of ``VerdictSlots.settle`` folded in on the device."""
-    stats = _finish(rows, p, count_zeros)
+    seg = _finish(rows, p, count_zeros, segments)
     bad = _bad(rows, p, count_zeros)
-    return GradStats(
-        total_norm=torch.where(bad, torch.nan, stats.total_norm),
-        num_zeros=stats.num_zeros,
-        found_inf=stats.found_inf | bad,
+    stats = GradStats(
+        total_norm=torch.where(bad, torch.nan, seg.stats.total_norm),
+        num_zeros=seg.stats.num_zeros,
+        found_inf=seg.stats.found_inf | bad,
+    )
+    return SegmentStats(
+        stats, torch.where(bad, torch.nan, seg.norms), torch.where(bad, torch.nan, seg.slots)
     )
 
 
 def _bad(rows: torch.Tensor, p: float, count_zeros: bool) -> torch.Tensor:
     """On the device: some rank failed, or the ranks' arguments or markers differ (every rank's
     meta slots against this healthy rank's own: one comparison, broadcast over the ranks)."""
-    return _SLOTS.bad(rows[:, _CONTRIBUTION:], (p, count_zeros))
+    return _SLOTS.bad(rows[:, -_SLOTS.width :], (p, count_zeros))
 
 
 def require_member(group: dist.ProcessGroup | None) -> None:
@@ -284,6 +390,23 @@ def require_member(group: dist.ProcessGroup | None) -> None:
 
 
 def _local_contribution(
+    parts: list[Buckets],
+    norm_type: float,
+    count_zeros: bool,
+    device: torch.device,
+    host_reads: bool = False,
+) -> torch.Tensor:
+    """This rank's contribution over every segment, followed by each segment's norm slot when
+    there are several segments."""
+    if len(parts) == 1:
+        return _segment_contribution(parts[0], norm_type, count_zeros, device, host_reads)
+    rows = torch.stack(
+        [_segment_contribution(b, norm_type, count_zeros, device, host_reads) for b in parts]
+    )
+    return torch.cat([combine_contributions(rows, norm_type), rows[:, NORM_SLOT]])
+
+
+def _segment_contribution(
     buckets: Buckets,
     norm_type: float,
     count_zeros: bool,

@@ -2,7 +2,11 @@
 
 ``plan_units`` is pure: from every rank's ``ParamMeta`` list it builds the units (one per param
 instance and replica group: its shard group's ranks and their pieces), picks each unit's owner by
-longest-processing-time-first, and is identical on every rank. ``build_plan`` gathers the metas
+longest-processing-time-first, and is identical on every rank. Muon's units span the replicas:
+one unit per param instance, its owner chosen among ALL ranks of the param's mesh (so the
+Newton-Schulz work is split over every rank that holds a copy, about total / world size each),
+its ``members`` the owner's shard group (they send the input) and its ``receivers`` the ranks of
+the other replica groups (they get the result only). ``build_plan`` gathers the metas
 with one object all-gather and validates them (every rank raises the same error); ``muon_splits``
 gives the byte counts the Muon exchange uses, so a test can count traffic without running it.
 """
@@ -51,6 +55,16 @@ class Unit:
     pieces: tuple[Piece, ...]  # each member's piece
     owner: int
     cost: int
+    # ranks of the other replica groups that get the result without sending input (Muon), and
+    # their pieces; empty where every replica group has a unit of its own
+    receivers: tuple[int, ...] = ()
+    receiver_pieces: tuple[Piece, ...] = ()
+
+    def piece_for(self, rank: int) -> Piece:
+        """The piece ``rank`` (a member or a receiver) holds."""
+        if rank in self.members:
+            return self.pieces[self.members.index(rank)]
+        return self.receiver_pieces[self.receivers.index(rank)]
 
 
 @dataclass
@@ -89,8 +103,14 @@ def _coords(mesh_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     return out
 
 
-def plan_units(metas: Sequence[Sequence[ParamMeta]], recipe: str) -> tuple[Unit, ...]:
+def plan_units(
+    metas: Sequence[Sequence[ParamMeta]], recipe: str, span_replicas: bool | None = None
+) -> tuple[Unit, ...]:
     """Every rank's metas (index = group rank) -> the units in canonical order, owners chosen.
+
+    ``span_replicas`` (default: Muon only): one unit per param instance over all its replica
+    groups (owner: any rank of its mesh; the other groups are receivers), instead of one unit
+    per replica group (owner: a rank of that group; what the generic path needs).
 
     Raises ValueError (the same one on every rank, since every rank sees the same input) when
     the ranks of a param's mesh disagree about it or one of them lacks it."""
@@ -110,7 +130,10 @@ def plan_units(metas: Sequence[Sequence[ParamMeta]], recipe: str) -> tuple[Unit,
                     "layout on every rank"
                 )
             seen[m.key][1].add(rank)
-    units: list[tuple[ParamMeta, tuple[int, ...], tuple[Piece, ...], int]] = []
+    # each entry: one update, its replica groups (members, pieces) and its cost; Muon's update
+    # of a param instance is one entry over all its replica groups, any other recipe's one
+    # entry per replica group
+    entries: list[tuple[ParamMeta, list[tuple[tuple[int, ...], tuple[Piece, ...]]], int]] = []
     for key in sorted(seen):
         meta, holders = seen[key]
         if holders != set(meta.mesh_ranks):
@@ -124,24 +147,42 @@ def plan_units(metas: Sequence[Sequence[ParamMeta]], recipe: str) -> tuple[Unit,
         groups: dict[tuple[int, ...], list[int]] = {}
         for pos, c in enumerate(coords):
             groups.setdefault(tuple(c[d] for d in rep_dims), []).append(pos)
-        for positions in groups.values():
-            members = tuple(meta.mesh_ranks[p] for p in positions)
-            pieces = tuple(
-                piece_of(meta.shape, meta.mesh_shape, coords[p], meta.placements) for p in positions
+        replica_groups = [
+            (
+                tuple(meta.mesh_ranks[p] for p in positions),
+                tuple(
+                    piece_of(meta.shape, meta.mesh_shape, coords[p], meta.placements)
+                    for p in positions
+                ),
             )
-            units.append((meta, members, pieces, cost_of(meta, recipe)))
-    # longest processing time first: the costliest unit goes to its least loaded candidate
+            for positions in groups.values()
+        ]
+        cost = cost_of(meta, recipe)
+        if span_replicas if span_replicas is not None else recipe == "muon":
+            entries.append((meta, replica_groups, cost))
+        else:
+            entries.extend((meta, [rg], cost) for rg in replica_groups)
+    # longest processing time first: the costliest update goes to its least loaded candidate
+    # (any rank of any of its replica groups)
     load = [0] * len(metas)
-    owners = [0] * len(units)
-    for i in sorted(range(len(units)), key=lambda i: (-units[i][3], i)):
-        members = units[i][1]
-        owner = min(members, key=lambda r: (load[r], r))
-        load[owner] += units[i][3]
-        owners[i] = owner
-    return tuple(
-        Unit(meta, members, pieces, owners[i], cost)
-        for i, (meta, members, pieces, cost) in enumerate(units)
-    )
+    units: list[Unit | None] = [None] * len(entries)
+    for i in sorted(range(len(entries)), key=lambda i: (-entries[i][2], i)):
+        meta, replica_groups, cost = entries[i]
+        candidates = [r for members, _ in replica_groups for r in members]
+        owner = min(candidates, key=lambda r: (load[r], r))
+        load[owner] += cost
+        home = next(rg for rg in replica_groups if owner in rg[0])
+        others = [rg for rg in replica_groups if rg is not home]
+        units[i] = Unit(
+            meta,
+            home[0],
+            home[1],
+            owner,
+            cost,
+            tuple(r for members, _ in others for r in members),
+            tuple(pc for _, pieces in others for pc in pieces),
+        )
+    return tuple(u for u in units if u is not None)
 
 
 def local_metas(
@@ -191,7 +232,7 @@ def build_plan(
         raise ValueError("whole-param step refused: " + "; ".join(all_errors))
     units = plan_units([m for m, _ in gathered], recipe)
     rank = dist.get_rank(group)
-    index = {u.meta.key: i for i, u in enumerate(units) if rank in u.members}
+    index = {u.meta.key: i for i, u in enumerate(units) if rank in u.members or rank in u.receivers}
     local_units = tuple(index[m.key] for m in metas)
     return WholeParamPlan(
         recipe,
@@ -214,20 +255,28 @@ def muon_splits(
     """Bytes ``rank`` sends to and receives from each rank on the Muon path: (send_in, recv_in,
     send_out, recv_out), status words included, self excluded (its pieces never travel).
     ``present[i]``: unit i has grads this step (default all); ``alias[i]``: its Newton-Schulz
-    input is the momentum buffer itself, which comes back too (bfloat16 params, no nesterov)."""
+    input is the momentum buffer itself, which comes back too (bfloat16 params, no nesterov).
+    The owner sends the result to its members and to the unit's receivers (other replicas)."""
     send_in = [STATUS_BYTES] * world
     recv_in = [STATUS_BYTES] * world
     send_out = [STATUS_BYTES] * world
     recv_out = [STATUS_BYTES] * world
     for i, u in enumerate(units):
-        if rank not in u.members or (present is not None and not present[i]):
+        if present is not None and not present[i]:
             continue
         back = 2 if alias is not None and alias[i] else 1
+        if rank in u.receivers:
+            recv_out[u.owner] += piece_numel(u.piece_for(rank)) * NS_BYTES * back
+            continue
+        if rank not in u.members:
+            continue
         if u.owner == rank:
             for member, piece in zip(u.members, u.pieces, strict=True):
                 if member != rank:
                     recv_in[member] += piece_numel(piece) * NS_BYTES
                     send_out[member] += piece_numel(piece) * NS_BYTES * back
+            for receiver, piece in zip(u.receivers, u.receiver_pieces, strict=True):
+                send_out[receiver] += piece_numel(piece) * NS_BYTES * back
         else:
             n = piece_numel(u.pieces[u.members.index(rank)]) * NS_BYTES
             send_in[u.owner] += n

@@ -70,6 +70,7 @@ def step_whole_params(
     group: dist.ProcessGroup | None = None,
     plan_cache: WholeParamPlan | None = None,
     names: Sequence[str] | None = None,
+    batched_ns: bool = False,
 ) -> WholeParamPlan:
     """Do what ``optimizer.step()`` does to the unsharded ``params`` with their global grads,
     each update computed on the whole param; returns the plan to pass as ``plan_cache`` next.
@@ -81,6 +82,7 @@ def step_whole_params(
     Muon: 2 all-to-alls; any other class: 4 (sizes, payload, each way); the generic path calls
     ``optimizer.step()`` once on every rank. A rank that fails locally still takes part and
     then raises; its peers raise RuntimeError after the exchange instead of waiting.
+    ``batched_ns``: Muon owners batch Newton-Schulz per matrix shape (see ``_muon``).
     """
     where = _positions(optimizer)
     recipe = recipe_for(optimizer)
@@ -110,7 +112,7 @@ def step_whole_params(
     group_index = [where[id(p)][0] for p in params]
     if recipe == "muon":
         groups = [optimizer.param_groups[gi] for gi in group_index]
-        muon_step(optimizer, params, groups, plan, group, error)
+        muon_step(optimizer, params, groups, plan, group, error, batched=batched_ns)
     else:
         generic_step(optimizer, params, group_index, plan, group, error)
     return plan

@@ -1,0 +1,91 @@
+"""The stats layer's interface to the wrapper (``mfsdp_optim.optim``), re-exported by the package.
+
+The wrapper reaches the stats layer through these names only (``from ..stats import ...``), never
+through a private module; ``tests/infra/test_layers.py`` checks that. What it gets:
+
+- bucketing: ``Buckets``/``BucketKey`` (local shards grouped by device, dtype and layout) and
+  ``layout_of`` (a grad's validated layout, cached per spec);
+- the one collective over grads in *segments* (one per base optimizer): ``reduce_segments``
+  (device only), ``reduce_segments_read`` (verdict and values read on the host at once),
+  ``reduce_segments_deferred`` (the host read postponed until the caller's gated work is
+  enqueued), each giving a ``SegmentStats``: the totals and every segment's norm from the same
+  row; ``segment_norm`` the norm over several segments; ``segment_stats_of`` the same from
+  DTensor grads (bucketing included); ``packed_values`` the host layout;
+- clipping: ``check_max_norm``, ``clip_divisor``, ``scale_by_clip_coef_``; ``check_norm_type``;
+- the captured step: ``capture_keepalive`` (the device buffers a captured graph reads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ._buckets import BucketKey, Buckets, bucket_local_shards, layout_of
+from ._clip import check_max_norm, clip_divisor, scale_by_clip_coef_
+from ._math import check_norm_type
+from ._reduce import (
+    GradStats,
+    Parts,
+    SegmentStats,
+    packed_values,
+    reduce_segments,
+    reduce_segments_read,
+    segment_norm,
+)
+from ._reduce import reduce_buckets_deferred as reduce_segments_deferred
+
+__all__ = [
+    "BucketKey",
+    "Buckets",
+    "GradStats",
+    "Parts",
+    "SegmentStats",
+    "capture_keepalive",
+    "check_max_norm",
+    "check_norm_type",
+    "clip_divisor",
+    "layout_of",
+    "packed_values",
+    "reduce_segments",
+    "reduce_segments_deferred",
+    "reduce_segments_read",
+    "scale_by_clip_coef_",
+    "segment_norm",
+    "segment_stats_of",
+]
+
+
+def segment_stats_of(
+    grads: Sequence[Sequence[DTensor]],
+    *,
+    norm_type: float,
+    count_zeros: bool,
+    group: dist.ProcessGroup | None,
+    host_sync: bool,
+) -> SegmentStats:
+    """The statistics of DTensor ``grads`` given per segment (one list per base optimizer), ONE
+    collective: what ``grad_stats`` does, with each segment's norm from the same row."""
+    parts: Parts
+    try:
+        parts = [bucket_local_shards(g, group) for g in grads]
+    except Exception as exc:  # any type: joins the collective, so no rank waits, then raises
+        parts = exc
+    kw = dict(segments=len(grads), norm_type=norm_type, count_zeros=count_zeros, group=group)
+    if host_sync:
+        return reduce_segments_read(parts, **kw)[0]  # type: ignore[arg-type]
+    return reduce_segments(parts, **kw)  # type: ignore[arg-type]
+
+
+def capture_keepalive() -> list[object]:
+    """The stats layer's cached device buffers that a captured CUDA graph reads (the fused
+    kernel's argument tables and workspaces, the verdict slots): a capture holds them so that no
+    replay reads memory a cache dropped."""
+    from . import _fused, _reduce
+
+    return [
+        list(_fused._table_cache.values()),
+        list(_fused._workspaces.values()),
+        list(_reduce._SLOTS._cache.values()),
+    ]
