@@ -12,6 +12,7 @@ set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-gpu_out}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)  # absolute: the benchmarks run from benchmarks/
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 py=${PYTHON:-python3}
 summary="$out/summary.txt"

@@ -101,6 +101,8 @@ CATALOGUE = {
     "W18 NaN eps set after construction": ("ValueError", "param_groups[0]['eps'] is nan"),
     "W19 lr given as a string": ("TypeError", "param_groups[0]['lr'] is '0.1'"),
     "W20 OptimizerConfig(clip_grad=None)": ("TypeError", "OptimizerConfig.clip_grad must be"),
+    "W21 cuda_graph without host_sync=False": ("ValueError", "needs host_sync=False"),
+    "W22 cuda_graph over CPU params": ("ValueError", "on one CUDA device"),
 }
 
 # inputs that are NOT refused today (see docs/errors.md, "Gaps"): strict xfail, so a fix flips it
@@ -411,6 +413,10 @@ def _cases(root):  # noqa: C901 - one flat list of small cases
         "W18 NaN eps set after construction": lambda: bad_group_value("eps", math.nan),
         "W19 lr given as a string": lambda: bad_group_value("lr", "0.1"),
         "W20 OptimizerConfig(clip_grad=None)": lambda: OptimizerConfig(clip_grad=None),
+        "W21 cuda_graph without host_sync=False": lambda: OptimizerConfig(cuda_graph=True),
+        "W22 cuda_graph over CPU params": lambda: wrapper(
+            config=OptimizerConfig(cuda_graph=True, host_sync=False)
+        ),
         "W16 NaN lr set after construction": nan_lr_later,
     }
     out = {}

@@ -336,3 +336,29 @@ def _rank_refuses_cpu_params():
 def test_cpu_params_are_refused(ranks):
     (msg,) = ranks(1).run(_rank_refuses_cpu_params)
     assert msg and "param_groups.0.params.0" in msg and "on the CPU" in msg, msg
+
+
+def _rank_nan_lr():
+    """A scheduler bug after the capture: the lr becomes NaN. The replay does not run: the step
+    is refused as the eager step refuses it, nothing updated; a good lr replays again."""
+    mesh, [(wc, pc), _] = _pair(torch.optim.AdamW, dict(lr=LR, fused=True))
+    out = []
+    for step in range(4):
+        gen = torch.Generator().manual_seed(step)
+        _set_grads(pc, [torch.randn(s, generator=gen) for s in SHAPES], mesh, in_place=True)
+        wc.param_groups[0]["lr"] = float("nan") if step == 2 else LR
+        before = [p._local_tensor.clone() for p in pc]
+        try:
+            wc.step()
+            out.append("ok")
+        except ValueError as exc:
+            same = all(torch.equal(b, p._local_tensor) for b, p in zip(before, pc, strict=True))
+            out.append(("refused", "nothing was updated" in str(exc), same))
+        wc.zero_grad(set_to_none=False)
+    return out, wc._captured.graph.captures, wc._captured.graph.replays
+
+
+def test_nan_lr_is_refused_not_replayed(ranks):
+    for out, captures, replays in ranks(1).run(_rank_nan_lr):
+        assert out == ["ok", "ok", ("refused", True, True), "ok"], out
+        assert captures == 1 and replays == 2, (captures, replays)

@@ -20,6 +20,7 @@ Why and what a training loop must do: docs/concepts.md, "The captured step".
 
 from __future__ import annotations
 
+import math
 from operator import attrgetter
 from operator import is_ as _is
 from typing import TYPE_CHECKING, Any
@@ -104,7 +105,8 @@ class CapturedStep:
 
     def run(self, body: Any) -> Any:
         """One ``step()`` (after its closure and stage checks): replay, capture or eager."""
-        self._update_lr()
+        if not self._update_lr():
+            return body()  # an lr that is not a finite number >= 0: the eager check refuses it
         graph = self.graph
         action = graph.plan(self.still_valid)
         if action == "replay":
@@ -162,17 +164,23 @@ class CapturedStep:
             pair = scaler._cache.get(self.device)
             scaler._cache = {self.device: pair} if pair is not None else {}
 
-    def _update_lr(self) -> None:
-        """Each group's lr into its device slot (an upload only when one changed)."""
+    def _update_lr(self) -> bool:
+        """Each group's lr into its device slot (an upload only when one changed). False, and
+        nothing uploaded, when an lr is not a float or int in [0, inf) (a replay skips the
+        eager step's hyperparameter checks: that step refuses it, nothing updated)."""
         for e in self.wrapper._engines:
             lrs = [g["lr"] for g in e.optimizer.param_groups]
+            if not all(type(v) in (float, int) and 0 <= v < math.inf for v in lrs):
+                if any(map(torch.is_tensor, lrs)):  # not captured (blocker): the Python path
+                    e.fast.lr_slots = None
+                    continue
+                return False
             slots = e.fast.lr_slots
-            if any(map(torch.is_tensor, lrs)):  # not captured (blocker): the Python path
-                e.fast.lr_slots = None
-            elif slots is None or len(slots) != len(lrs):
+            if slots is None or len(slots) != len(lrs):
                 e.fast.lr_slots = ScalarSlots(lrs, self.device, _LR_DTYPE)
             else:
                 slots.update(lrs)
+        return True
 
     def _refresh_tables(self) -> None:
         """The Triton tables' hyperparameters (the lr of a schedule), uploaded if changed."""

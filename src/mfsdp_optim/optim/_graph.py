@@ -290,9 +290,8 @@ class StepGraph:
         self.blocked_once = True
 
     def replay(self) -> Any:
-        out = self.runner.replay()
         self.replays += 1
-        return out
+        return self.runner.replay()
 
     def drop(self) -> None:
         """Forget the capture (the graph and what it kept alive)."""
