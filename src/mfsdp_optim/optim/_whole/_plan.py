@@ -3,12 +3,15 @@
 ``plan_units`` is pure: from every rank's ``ParamMeta`` list it builds the units (one per param
 instance and replica group: its shard group's ranks and their pieces), picks each unit's owner by
 longest-processing-time-first, and is identical on every rank. ``build_plan`` gathers the metas
-with one object all-gather and validates them (every rank raises the same error); ``muon_splits``
-gives the byte counts the Muon exchange uses, so a test can count traffic without running it.
+with one object all-gather and validates them (every rank raises the same error), and gives the
+plan a digest of its units (names, layouts, owners) that every step agrees on before a byte
+moves; ``muon_splits`` gives the byte counts the Muon exchange uses, so a test can count traffic
+without running it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,6 +26,7 @@ from ._pieces import Piece, PlacementKey, describe, piece_numel, piece_of
 __all__ = ["ParamMeta", "Unit", "WholeParamPlan", "build_plan", "muon_splits", "plan_units"]
 
 STATUS_BYTES = 8  # every message starts with the sender's int64 status word
+FLAG_ALIGN = 8  # Muon: a member's per-unit flag bytes to an owner, padded to this
 NS_BYTES = 2  # Newton-Schulz runs in bfloat16: its input and output travel as bfloat16
 
 
@@ -66,9 +70,22 @@ class WholeParamPlan:
     param_ids: tuple[int, ...]
     metas: tuple[ParamMeta, ...]
     slot: dict = field(default_factory=dict)  # the recipe's cached per-rank lists
+    digest: int = 0  # of the units, the same on every rank that built this plan together
+    broken: bool = False  # a step with this plan was refused: rebuild it (on every rank)
 
     def matches(self, params: Sequence[object], recipe: str) -> bool:
-        return recipe == self.recipe and tuple(map(id, params)) == self.param_ids
+        return (
+            not self.broken and recipe == self.recipe and tuple(map(id, params)) == self.param_ids
+        )
+
+
+def plan_digest(recipe: str, units: Sequence[Unit]) -> int:
+    """A non-negative 62-bit digest of the plan: every unit's param name, layout, members and
+    owner (what decides every size the exchanges use)."""
+    h = hashlib.blake2b(recipe.encode(), digest_size=8)
+    for u in units:
+        h.update(repr((u.meta, u.members, u.owner)).encode())
+    return int.from_bytes(h.digest(), "little") >> 2
 
 
 def cost_of(meta: ParamMeta, recipe: str) -> int:
@@ -201,6 +218,7 @@ def build_plan(
         local_units,
         tuple(map(id, params)),
         tuple(metas),
+        digest=plan_digest(recipe, units),
     )
 
 
@@ -213,25 +231,44 @@ def muon_splits(
 ) -> tuple[list[int], list[int], list[int], list[int]]:
     """Bytes ``rank`` sends to and receives from each rank on the Muon path: (send_in, recv_in,
     send_out, recv_out), status words included, self excluded (its pieces never travel).
-    ``present[i]``: unit i has grads this step (default all); ``alias[i]``: its Newton-Schulz
-    input is the momentum buffer itself, which comes back too (bfloat16 params, no nesterov)."""
+
+    Inward sizes depend on the plan alone (a member sends one flag byte per unit, padded to 8,
+    and its piece of every unit, zeros where it has no grad), so they are agreed with the plan;
+    outward sizes follow each member's flags, which the owner has received: ``present[i]``:
+    unit i has grads this step (default all); ``alias[i]``: its Newton-Schulz input is the
+    momentum buffer itself, which comes back too (bfloat16 params, no nesterov)."""
     send_in = [STATUS_BYTES] * world
     recv_in = [STATUS_BYTES] * world
     send_out = [STATUS_BYTES] * world
     recv_out = [STATUS_BYTES] * world
+    flags_to = [0] * world  # units this rank is a member of, per owner
+    flags_from = [0] * world  # units this rank owns, per member
     for i, u in enumerate(units):
-        if rank not in u.members or (present is not None and not present[i]):
+        if rank not in u.members:
             continue
+        here = present is None or present[i]
         back = 2 if alias is not None and alias[i] else 1
         if u.owner == rank:
             for member, piece in zip(u.members, u.pieces, strict=True):
                 if member != rank:
+                    flags_from[member] += 1
                     recv_in[member] += piece_numel(piece) * NS_BYTES
-                    send_out[member] += piece_numel(piece) * NS_BYTES * back
+                    if here:
+                        send_out[member] += piece_numel(piece) * NS_BYTES * back
         else:
             n = piece_numel(u.pieces[u.members.index(rank)]) * NS_BYTES
+            flags_to[u.owner] += 1
             send_in[u.owner] += n
-            recv_out[u.owner] += n * back
+            if here:
+                recv_out[u.owner] += n * back
+    for r in range(world):
+        send_in[r] += flag_bytes(flags_to[r])
+        recv_in[r] += flag_bytes(flags_from[r])
     for s in (send_in, recv_in, send_out, recv_out):
         s[rank] = 0
     return send_in, recv_in, send_out, recv_out
+
+
+def flag_bytes(count: int) -> int:
+    """Bytes of ``count`` one-byte flags, padded so the pieces after them stay aligned."""
+    return -(-count // FLAG_ALIGN) * FLAG_ALIGN
