@@ -1,8 +1,9 @@
 """One rank's contribution to the grad statistics, and the one collective that combines them.
 
 Every rank of the grad-stats group sends ONE fixed-size float64 row in ONE all-gather, whatever
-its arguments: ``[norm_slot, zeros, nonfinite | failed, norm_type, count_zeros, magic]``, its
-contribution (``_math``) and the verdict slots of the rank-agreement protocol
+its arguments: ``[norm_slot, zeros, nonfinite | presence (2) | failed, norm_type, count_zeros,
+magic]``, its contribution (``_math``), the wrapper's grad-presence sums (``presence_bad``) and
+the verdict slots of the rank-agreement protocol
 (``_infra.agreement.VerdictSlots``: a refused rank, differing arguments or a foreign row raise on
 every rank; a second, fixed-size all-gather of messages only when a rank failed). Healthy case:
 that one collective, combined locally (a sum, or a max for ``p = inf``); ``host_sync=False``
@@ -35,6 +36,8 @@ from ._math import (
 )
 
 __all__ = [
+    "PRESENCE_PRIME",
+    "GradPresenceError",
     "GradStats",
     "RankFailedError",
     "StatsArgumentMismatchError",
@@ -51,6 +54,19 @@ class StatsArgumentMismatchError(RankMismatchError):
     (raised on every rank), or a peer was inside another collective."""
 
 
+class GradPresenceError(ValueError):
+    """Some param has a grad on some ranks of its mesh and None on others (raised on every
+    rank of the grad-stats group; the wrapper names the params)."""
+
+
+# the grad-presence sums (the wrapper's ``presence``): each rank adds, for every param it holds
+# with a grad, h / n (h: the param's hash, n: its mesh's size, mod this prime) to the first sum
+# and, if it is the param's lowest mesh rank, h to the second. Over the group the sums agree
+# (mod the prime) when every param has a grad on all of its mesh's ranks or on none; a param
+# with a grad on k of n ranks (0 < k < n) leaves h * (k / n - [lowest has it]) != 0.
+PRESENCE_PRIME = 2_147_483_647  # 2**31 - 1: float64 sums of such values are exact
+
+
 # the row every rank sends: the contribution of _math (slots 0-2), then the verdict slots
 # [failed, norm_type, count_zeros, magic] of the rank-agreement protocol
 _SLOTS = VerdictSlots(
@@ -65,8 +81,10 @@ _SLOTS = VerdictSlots(
     ),
     mismatch=StatsArgumentMismatchError,
 )
-_CONTRIBUTION = NONFINITE_SLOT + 1
+_PRESENCE = NONFINITE_SLOT + 1  # the two grad-presence sums
+_CONTRIBUTION = _PRESENCE + 2  # where the verdict slots start
 _ROW = _CONTRIBUTION + _SLOTS.width
+_PRESENCE_CACHE: dict[tuple, torch.Tensor] = {}
 
 
 class GradStats(NamedTuple):
@@ -92,6 +110,7 @@ def reduce_buckets(
     count_zeros: bool,
     group: dist.ProcessGroup | None,
     host_sync: bool = True,
+    presence: tuple[int, int] = (0, 0),
 ) -> GradStats:
     """The global statistics of every rank's ``buckets`` (see ``_buckets``), one collective.
 
@@ -109,11 +128,13 @@ def reduce_buckets(
     """
     if host_sync:
         return reduce_buckets_read(
-            buckets, norm_type=norm_type, count_zeros=count_zeros, group=group
+            buckets, norm_type=norm_type, count_zeros=count_zeros, group=group, presence=presence
         )[0]
     require_member(group)
     device = collective_device(group)
-    rows, failure, p, _ = _gather_rows(buckets, norm_type, count_zeros, group, device)
+    rows, failure, p, _ = _gather_rows(
+        buckets, norm_type, count_zeros, group, device, presence=presence
+    )
     if failure is not None:
         raise failure
     return _device_verdict(rows, p, bool(count_zeros))
@@ -125,13 +146,14 @@ def reduce_buckets_read(
     norm_type: float,
     count_zeros: bool,
     group: dist.ProcessGroup | None,
+    presence: tuple[int, int] = (0, 0),
 ) -> tuple[GradStats, list[float]]:
     """``reduce_buckets(host_sync=True)``, and the statistics on the host from the same single
     read: ``[found_inf, total_norm]`` (+ ``[num_zeros]`` with ``count_zeros``) as floats."""
     require_member(group)
     device = collective_device(group)
     rows, failure, p, world = _gather_rows(
-        buckets, norm_type, count_zeros, group, device, host_reads=True
+        buckets, norm_type, count_zeros, group, device, host_reads=True, presence=presence
     )
     stats, read = _start_read(rows, failure, p, bool(count_zeros))
     values = _verdict_on_host(read, failure, group, device, world)
@@ -145,6 +167,7 @@ def reduce_buckets_deferred(
     norm_type: float,
     count_zeros: bool,
     group: dist.ProcessGroup | None,
+    presence: tuple[int, int] = (0, 0),
 ) -> tuple[GradStats, torch.Tensor, Callable[[], list[float]]]:
     """``reduce_buckets_read()`` with its host-side verdict postponed: ``(stats, bad, verdict)``.
 
@@ -159,7 +182,9 @@ def reduce_buckets_deferred(
     """
     require_member(group)
     device = collective_device(group)
-    stats_rows = _gather_rows(buckets, norm_type, count_zeros, group, device, host_reads=True)
+    stats_rows = _gather_rows(
+        buckets, norm_type, count_zeros, group, device, host_reads=True, presence=presence
+    )
     rows, failure, p, world = stats_rows
     stats, read = _start_read(rows, failure, p, bool(count_zeros))
     if stats is None:
@@ -182,10 +207,11 @@ def _gather_rows(
     group: dist.ProcessGroup | None,
     device: torch.device,
     host_reads: bool = False,
+    presence: tuple[int, int] = (0, 0),
 ) -> tuple[torch.Tensor, BaseException | None, float, int]:
-    """This rank's row (contribution, failure flag, arguments, marker) and THE collective:
-    every rank's rows, ``(rows, this rank's failure, p, world)``. ``host_reads``: the CPU stats
-    may read their own CPU flags before the collective (see ``stats._cpu``)."""
+    """This rank's row (contribution, presence sums, failure flag, arguments, marker) and THE
+    collective: every rank's rows, ``(rows, this rank's failure, p, world)``. ``host_reads``:
+    the CPU stats may read their own CPU flags before the collective (see ``stats._cpu``)."""
     failure = buckets if isinstance(buckets, BaseException) else None
     p = math.nan
     contribution = None
@@ -207,7 +233,7 @@ def _gather_rows(
         p, contribution = math.nan, empty_contribution(device)
     assert contribution is not None
     slots = _SLOTS.encode(device, failure is not None, (p, count_zeros is True))
-    row = torch.cat([contribution, slots])
+    row = torch.cat([contribution, _presence_slots(device, presence), slots])
     world = dist.get_world_size(group)
     rows = row.new_empty(world * _ROW)
     comm._all_gather_flat(rows, row, group)  # THE collective: one per call on every rank
@@ -215,16 +241,36 @@ def _gather_rows(
     return rows, failure, p, world
 
 
+def _presence_slots(device: torch.device, presence: tuple[int, int]) -> torch.Tensor:
+    """The two presence sums as float64 on ``device``, made once per value and kept (a fresh
+    host-to-device copy per step could stall the host: see ``VerdictSlots.encode``)."""
+    key = (device, int(presence[0]), int(presence[1]))
+    slots = _PRESENCE_CACHE.get(key)
+    if slots is None:
+        if len(_PRESENCE_CACHE) >= 64:
+            _PRESENCE_CACHE.clear()
+        slots = _PRESENCE_CACHE[key] = torch.tensor(key[1:], dtype=torch.float64).to(device)
+    return slots
+
+
+def presence_bad(rows: torch.Tensor) -> torch.Tensor:
+    """On the device: the two presence sums of every rank's row differ (mod the prime)."""
+    sums = rows[:, _PRESENCE : _PRESENCE + 2].sum(dim=0)
+    return torch.remainder(sums[0] - sums[1], PRESENCE_PRIME) != 0
+
+
 def _start_read(
     rows: torch.Tensor, failure: BaseException | None, p: float, count_zeros: bool
 ) -> tuple[GradStats | None, HostRead]:
     """The statistics (None when this rank failed) and ONE host copy, started now, of every
-    rank's flags followed by ``[found_inf, total_norm(, num_zeros)]`` in float64."""
+    rank's flags followed by the presence verdict and ``[found_inf, total_norm(, num_zeros)]``
+    in float64."""
     flags = rows[:, _CONTRIBUTION:].reshape(-1)
     if failure is not None:
         return None, HostRead(flags)
     stats = _finish(rows, p, count_zeros)
-    return stats, HostRead(torch.cat([flags, packed_values(stats)]))
+    bad = presence_bad(rows).to(torch.float64).reshape(1)
+    return stats, HostRead(torch.cat([flags, bad, packed_values(stats)]))
 
 
 def packed_values(stats: GradStats) -> torch.Tensor:
@@ -248,7 +294,13 @@ def _verdict_on_host(
     host = read.wait()
     width = _SLOTS.width
     _SLOTS.settle(host[: world * width].view(world, width), failure, group, device)
-    return host[world * width :].tolist()
+    if host[world * width]:  # the same sums on every rank: every rank raises here
+        raise GradPresenceError(
+            "some param has a grad on some ranks of its mesh and None on others (the "
+            "grad-presence check of the grad-stats collective): every rank holding a param must "
+            "have its grad, or none. Nothing was updated."
+        )
+    return host[world * width + 1 :].tolist()
 
 
 def _finish(rows: torch.Tensor, p: float, count_zeros: bool) -> GradStats:
@@ -272,7 +324,7 @@ def _device_verdict(rows: torch.Tensor, p: float, count_zeros: bool) -> GradStat
 def _bad(rows: torch.Tensor, p: float, count_zeros: bool) -> torch.Tensor:
     """On the device: some rank failed, or the ranks' arguments or markers differ (every rank's
     meta slots against this healthy rank's own: one comparison, broadcast over the ranks)."""
-    return _SLOTS.bad(rows[:, _CONTRIBUTION:], (p, count_zeros))
+    return _SLOTS.bad(rows[:, _CONTRIBUTION:], (p, count_zeros)) | presence_bad(rows)
 
 
 def require_member(group: dist.ProcessGroup | None) -> None:

@@ -34,16 +34,12 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _flags(optimizer, p: DTensor, group: dict) -> int:
     """This rank's flags for one param: 1 it has a grad, 2 (with 1) its Newton-Schulz input is
-    the momentum buffer itself (no nesterov, a bfloat16 buffer). Never raises: a value it cannot
-    read counts as absent, and the step's own checks report it."""
-    try:
-        if p.grad is None:
-            return 0
-        old = optimizer.state.get(p, {}).get("momentum_buffer")
-        dtype = old.dtype if isinstance(old, torch.Tensor) else p.grad.dtype
-        return 1 | (2 if not group["nesterov"] and dtype == torch.bfloat16 else 0)
-    except Exception:
+    the momentum buffer itself (no nesterov, a bfloat16 buffer)."""
+    if p.grad is None:
         return 0
+    old = optimizer.state.get(p, {}).get("momentum_buffer")
+    dtype = old.dtype if isinstance(old, torch.Tensor) else p.grad.dtype
+    return 1 | (2 if not group["nesterov"] and dtype == torch.bfloat16 else 0)
 
 
 def _mismatch(name: str, members: Sequence[int], flags: Sequence[int]) -> str:
@@ -79,7 +75,12 @@ def muon_step(
     units, rank, world = plan.units, plan.rank, plan.world
     error: BaseException | None = None
     mine = dict(zip(plan.local_units, range(len(params)), strict=True))  # unit -> param index
-    flags = {u: _flags(optimizer, params[i], groups[i]) for u, i in mine.items()}
+    flags = dict.fromkeys(mine, 0)  # what this rank tells the owners (sizes follow them)
+    try:
+        for u, i in mine.items():
+            flags[u] = _flags(optimizer, params[i], groups[i])
+    except Exception as exc:  # its flags stay 0 (absent): the sizes still agree
+        error = exc
     present = [False] * len(units)
     alias = [False] * len(units)
     for u, f in flags.items():
@@ -89,7 +90,7 @@ def muon_step(
     scale: dict[int, tuple[float, float]] = {}  # unit -> (weight decay factor, adjusted lr)
     try:
         for u, i in mine.items():
-            if not present[u]:
+            if not present[u] or error is not None:
                 continue
             p, g = params[i], groups[i]
             grad = p.grad._local_tensor  # type: ignore[union-attr]
