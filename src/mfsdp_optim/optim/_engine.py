@@ -69,6 +69,7 @@ class Engine:
         # (table version, each slot's two grad-presence terms, their totals): see presence()
         self._presence: tuple[int, list[tuple[int, int]], tuple[int, int]] = (-1, [], (0, 0))
         self._check_named()
+        self._presence_terms()  # here, not in the first step (it reads the meshes' ranks)
 
     def invalidate(self) -> None:
         """Drop every cached view, list and kernel table (rebuilt at the next step)."""
@@ -164,6 +165,18 @@ class Engine:
         param ``h / n`` and, on its lowest mesh rank, ``h``; ``h`` a hash of its name and mesh
         ranks, ``n`` the mesh's size. Terms are made once per table; a replayed collect (every
         grad present) costs nothing."""
+        self._presence_terms()
+        _, terms, totals = self._presence
+        slots = self.table.slots
+        if not self.preparer.replayed:
+            totals = (0, 0)
+            for s, (c, d) in zip(slots, terms, strict=True):
+                if s.work_grad is not None:
+                    totals = (totals[0] + c, totals[1] + d)
+        return totals[0] % PRESENCE_PRIME, totals[1] % PRESENCE_PRIME
+
+    def _presence_terms(self) -> None:
+        """Each slot's two presence terms and their totals, made once per table version."""
         version = self.table.version
         if self._presence[0] != version:
             terms = []
@@ -175,14 +188,6 @@ class Engine:
                 terms.append((share, h if me == min(ranks) else 0))
             totals = (sum(c for c, _ in terms), sum(d for _, d in terms))
             self._presence = (version, terms, totals)
-        _, terms, totals = self._presence
-        slots = self.table.slots
-        if not self.preparer.replayed:
-            totals = (0, 0)
-            for s, (c, d) in zip(slots, terms, strict=True):
-                if s.work_grad is not None:
-                    totals = (totals[0] + c, totals[1] + d)
-        return totals[0] % PRESENCE_PRIME, totals[1] % PRESENCE_PRIME
 
     def _create_first_state(self) -> None:
         """The state the first step would create (zeros, ``step`` 0), for the params that have

@@ -163,17 +163,18 @@ def muon_step(
         unit_flags = [flags[u] if m == rank else member_flags[(u, m)] for m in unit.members]
         if ok and len(set(unit_flags)) > 1:
             error, ok = ValueError(_mismatch(unit.meta.name, unit.members, unit_flags)), False
-        full = torch.zeros(unit.meta.shape, dtype=torch.bfloat16)
+        full = result = None
         if ok and present[u]:
             try:
-                full = full.to(ns_in[u].device)
+                device = ns_in[u].device
+                full = torch.empty(unit.meta.shape, dtype=torch.bfloat16, device=device)
                 for member, piece in zip(unit.members, unit.pieces, strict=True):
                     if member == rank:
                         data = ns_in[u]
                     else:
                         n = piece_numel(piece) * NS_BYTES
                         raw = received[member][offsets[member] : offsets[member] + n]
-                        data = view_as(raw, torch.bfloat16, (-1,)).to(full.device)
+                        data = view_as(raw, torch.bfloat16, (-1,)).to(device)
                     insert(full, piece, data.view(piece_shape(piece)))
                 g = groups[mine[u]]
                 result = _zeropower_via_newtonschulz(
@@ -189,15 +190,17 @@ def muon_step(
             f = flags[u] if member == rank else member_flags[(u, member)]
             if not f & 1:
                 continue
-            mine_piece = extract(result, piece) if ok else torch.zeros(piece_shape(piece))
+            if ok and result is not None and full is not None:
+                parts = [extract(result, piece)] + ([extract(full, piece)] if f & 2 else [])
+            else:  # filler of the agreed size: every rank raises after this exchange
+                filler = torch.zeros(piece_shape(piece), dtype=torch.bfloat16)
+                parts = [filler] * (2 if f & 2 else 1)
             if member == rank:
-                results[u] = mine_piece
+                results[u] = parts[0]
                 if f & 2:
-                    after_alias[u] = extract(full, piece)
+                    after_alias[u] = parts[1]
                 continue
-            out[member].append(_as_bytes(mine_piece.bfloat16()))
-            if f & 2:
-                out[member].append(_as_bytes(extract(full, piece)))
+            out[member].extend(_as_bytes(t) for t in parts)
     _, _, _, recv_out = muon_splits(units, rank, world, present, alias)
     back, statuses_out = exchange(
         "muon_out",
