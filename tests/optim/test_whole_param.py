@@ -249,7 +249,7 @@ def test_a_rank_failing_locally_does_not_hang_its_peers(opt_name):
     out = get_pool(4).run(_rank_fail_at_step_two, specs, opt_name, 1)
     assert out[1][:2] == (1, "ValueError") and "is not the param's" in out[1][2]
     for r in (0, 2, 3):  # every rank shares the dense param with rank 1
-        assert out[r][:2] == (1, "RuntimeError") and "ranks [1]" in out[r][2], out[r]
+        assert out[r][:2] == (1, "RankFailedError") and "failed on rank 1 " in out[r][2], out[r]
 
 
 def test_a_refused_layout_is_refused_on_every_rank_at_planning():

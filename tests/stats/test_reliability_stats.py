@@ -224,9 +224,9 @@ def _rank_count_collectives(kind):
 def test_one_collective_when_healthy_two_when_a_rank_failed(ranks):
     pool = ranks(4)
     for kind in ("healthy", "healthy_inf"):
-        assert pool.run(_rank_count_collectives, kind) == [([("all_gather", 7)], None)] * 4, kind
+        assert pool.run(_rank_count_collectives, kind) == [([("all_gather", 9)], None)] * 4, kind
     out = pool.run(_rank_count_collectives, "fail")
-    assert [calls for calls, _ in out] == [[("all_gather", 7), ("all_gather", 2048)]] * 4
+    assert [calls for calls, _ in out] == [[("all_gather", 9), ("all_gather", 2048)]] * 4
     # the failing rank raises its own error; every healthy one names it
     name, msg = out[BAD][1]
     assert name == "ValueError" and "norm_type must be > 0" in msg, out[BAD]

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..stats import Buckets
+from .._infra.agreement import digest
+from ..stats import PRESENCE_PRIME, Buckets
 from ._config import OptimizerConfig
 from ._dispatch import Route, base_step, detect_precision_aware, route_of
 from ._fast_step import FastAdamStep
@@ -27,7 +28,7 @@ from ._prepare import Preparer
 from ._slots import SlotTable
 from ._triton_adam import TritonAdam
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "check_disjoint"]
 
 
 class Engine:
@@ -64,6 +65,11 @@ class Engine:
         self.fast_steps = 0
         self.clip_folds = 0
         self._checked: list[tuple | None] = []  # the group values the last check passed
+        self.disjoint_versions: tuple[int, ...] = ()  # check_disjoint: the tables it passed
+        # (table version, each slot's two grad-presence terms, their totals): see presence()
+        self._presence: tuple[int, list[tuple[int, int]], tuple[int, int]] = (-1, [], (0, 0))
+        self._check_named()
+        self._presence_terms()  # here, not in the first step (it reads the meshes' ranks)
 
     def invalidate(self) -> None:
         """Drop every cached view, list and kernel table (rebuilt at the next step)."""
@@ -78,6 +84,7 @@ class Engine:
         grad); errors name the base optimizer where there are several."""
         if self.table.sync():
             self.invalidate()
+            self._check_named()
         groups = self.optimizer.param_groups
         # the values checked last time, compared by identity (immutable values only: a list or
         # a tensor may change in place): a steady step checks nothing again
@@ -99,6 +106,29 @@ class Engine:
                 raise
             raise type(exc)(f"{self.name}.{exc}") from None
         self._checked = seen
+
+    def _check_named(self) -> None:
+        """The whole-param path matches a param's pieces across ranks by its name. Without
+        model_chunks the name is the param's position in the groups, which cannot tell two params
+        of one shape, dtype and layout apart when ranks list them in different orders (each
+        owner would assemble pieces of both): refused, unless the params are known by FQN."""
+        if self.kind != WHOLE_PARAM or self.table.model_chunks:
+            return
+        seen: dict[tuple, str] = {}
+        for s in self.table.slots:
+            p, mesh = s.param, s.param.device_mesh.mesh
+            key = (tuple(p.shape), p.dtype, tuple(mesh.flatten().tolist()), tuple(p.placements))
+            if key in seen:
+                where = f"{self.name}: " if self.name else ""
+                raise ValueError(
+                    f"{where}{type(self.optimizer).__name__} takes the whole-param path, which "
+                    f"matches each param's pieces across ranks by name, and params {seen[key]!r} "
+                    f"and {s.fqn!r} have the same shape {tuple(p.shape)}, dtype and layout: "
+                    "without model_chunks they are named by position, so ranks listing them in "
+                    "different orders would mix their pieces. Pass model_chunks=[model] (the "
+                    "modules whose named_parameters() hold them) so they are known by FQN."
+                )
+            seen[key] = s.fqn
 
     def collect(self) -> Buckets:
         """Pick the route, set each slot's work grad and bucket the local shards (after
@@ -128,6 +158,36 @@ class Engine:
             self.fast.invalidate()  # a local tensor was replaced: generic now, rebuilt next
             self.fast_token = None
         return buckets
+
+    def presence(self) -> tuple[int, int]:
+        """This rank's two grad-presence sums over the params with a grad this step (after
+        ``collect``), for the stats collective's check (``stats._reduce.PRESENCE_PRIME``): per
+        param ``h / n`` and, on its lowest mesh rank, ``h``; ``h`` a hash of its name and mesh
+        ranks, ``n`` the mesh's size. Terms are made once per table; a replayed collect (every
+        grad present) costs nothing."""
+        self._presence_terms()
+        _, terms, totals = self._presence
+        slots = self.table.slots
+        if not self.preparer.replayed:
+            totals = (0, 0)
+            for s, (c, d) in zip(slots, terms, strict=True):
+                if s.work_grad is not None:
+                    totals = (totals[0] + c, totals[1] + d)
+        return totals[0] % PRESENCE_PRIME, totals[1] % PRESENCE_PRIME
+
+    def _presence_terms(self) -> None:
+        """Each slot's two presence terms and their totals, made once per table version."""
+        version = self.table.version
+        if self._presence[0] != version:
+            terms = []
+            me = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            for s in self.table.slots:
+                ranks = s.param.device_mesh.mesh.flatten().tolist()
+                h = digest(f"{s.fqn}|{ranks}")[0] % PRESENCE_PRIME
+                share = h * pow(len(ranks), PRESENCE_PRIME - 2, PRESENCE_PRIME) % PRESENCE_PRIME
+                terms.append((share, h if me == min(ranks) else 0))
+            totals = (sum(c for c, _ in terms), sum(d for _, d in terms))
+            self._presence = (version, terms, totals)
 
     def _create_first_state(self) -> None:
         """The state the first step would create (zeros, ``step`` 0), for the params that have
@@ -229,6 +289,35 @@ class Engine:
         """A skipped step: restore cast grads, run nothing."""
         self.drop_fast()
         self.preparer.restore(self.table.slots)
+
+
+def check_disjoint(engines: Sequence[Engine]) -> None:
+    """Several base optimizers must hold disjoint params with distinct FQNs: checked at
+    construction and again whenever a table was rebuilt (a param appended to a second base
+    optimizer after construction would otherwise be stepped by both)."""
+    versions = tuple(e.table.version for e in engines)
+    if len(engines) < 2 or engines[0].disjoint_versions == versions:
+        return
+    holder: dict[int, int] = {}
+    named: dict[str, int] = {}
+    for i, e in enumerate(engines):
+        for s in e.table.slots:
+            j = holder.setdefault(id(s.param), i)
+            if j != i:
+                raise ValueError(
+                    f"param {s.fqn!r} is in optimizer[{j}] and optimizer[{i}]: several base "
+                    "optimizers must hold disjoint params (it would be stepped twice). Remove it "
+                    "from one of them; nothing was updated."
+                )
+            k = named.setdefault(s.fqn, i)
+            if k != i:
+                raise ValueError(
+                    f"optimizers[{k}] and optimizers[{i}] hold two different params both named "
+                    f"{s.fqn!r}: names key the checkpoint and the whole-param exchange, so they "
+                    "must be unique. Pass model_chunks that hold every param (each named by its "
+                    "FQN)."
+                )
+    engines[0].disjoint_versions = versions
 
 
 _MUTABLE = (list, dict, set, bytearray, torch.Tensor)

@@ -18,7 +18,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .._infra.comm import all_gather_objects
 from ..stats import (
+    PRESENCE_PRIME,
+    GradPresenceError,
     GradStats,
     Parts,
     SegmentStats,
@@ -29,7 +32,7 @@ from ..stats import (
     segment_norm,
     segment_stats_of,
 )
-from ._engine import Engine
+from ._engine import Engine, check_disjoint
 
 __all__ = ["Prepared", "StepResult", "clip_norms", "prepare", "stats_of"]
 
@@ -63,6 +66,7 @@ def reduce(
     group: dist.ProcessGroup | None,
     host_sync: bool,
     in_group: bool,
+    presence: tuple[int, int] = (0, 0),
 ) -> tuple[SegmentStats, list[float] | None]:
     """The stats of ``parts`` (one ``Buckets`` per engine; an exception: this rank failed; it
     joins the collective so no rank waits, then raises) and, with ``host_sync``, their host
@@ -72,7 +76,11 @@ def reduce(
             raise parts
         return _zero_stats(count_zeros, segments), None
     kw: dict[str, Any] = dict(
-        segments=segments, norm_type=norm_type, count_zeros=count_zeros, group=group
+        segments=segments,
+        norm_type=norm_type,
+        count_zeros=count_zeros,
+        group=group,
+        presence=presence,
     )
     if not host_sync:
         return reduce_segments(parts, **kw), None
@@ -114,16 +122,26 @@ def prepare(
     try:
         for e in engines:  # every engine validated before any grad is changed
             e.check()
+        check_disjoint(engines)  # again only after a table was rebuilt
         collected = [e.collect() for e in engines]
         if inv_scale_on is not None:
             for e, part in zip(engines, collected, strict=True):
                 e.preparer.unscale(inv_scale_on, part)
         parts = collected
+        sums = [e.presence() for e in engines]
+        presence = (
+            sum(c for c, _ in sums) % PRESENCE_PRIME,
+            sum(d for _, d in sums) % PRESENCE_PRIME,
+        )
     except Exception as exc:  # joins the collective, so no rank waits, then raises (below)
-        parts = exc
+        parts, presence = exc, (0, 0)
     in_group = engines[0].table.in_stats_group
     kw: dict[str, Any] = dict(
-        segments=len(engines), norm_type=norm_type, count_zeros=count_zeros, group=group
+        segments=len(engines),
+        norm_type=norm_type,
+        count_zeros=count_zeros,
+        group=group,
+        presence=presence,
     )
     try:
         if (
@@ -133,13 +151,59 @@ def prepare(
             and all(e.skips_on_device() for e in engines)
         ):
             seg, bad, verdict = reduce_segments_deferred(parts, **kw)
-            return Prepared(seg, (bad, verdict), None)
+            return Prepared(seg, (bad, _naming(verdict, engines, group)), None)
         seg, host = reduce(parts, host_sync=host_sync, in_group=in_group, **kw)
         return Prepared(seg, None, host)
+    except GradPresenceError:
+        for e in engines:
+            e.drop()
+        raise_absent_grads(engines, group)
+        raise
     except Exception:
         for e in engines:
             e.drop()
         raise
+
+
+def _naming(
+    verdict: Callable[[], list[float]], engines: Sequence[Engine], group
+) -> Callable[[], list[float]]:
+    def named() -> list[float]:
+        try:
+            return verdict()
+        except GradPresenceError:
+            raise_absent_grads(engines, group)
+            raise
+
+    return named
+
+
+def raise_absent_grads(engines: Sequence[Engine], group: dist.ProcessGroup | None) -> None:
+    """After the stats collective found grads present on some ranks of a param's mesh only
+    (every rank found it alike): ONE object gather of every rank's (name, mesh ranks, has a
+    grad), then ``GradPresenceError`` naming the params, on every rank."""
+    mine = [
+        (s.fqn, tuple(s.param.device_mesh.mesh.flatten().tolist()), s.param.grad is not None)
+        for e in engines
+        for s in e.table.slots
+    ]
+    rank = dist.get_rank()
+    have: dict[tuple[str, tuple[int, ...]], tuple[list[int], list[int]]] = {}
+    for glob, entries in all_gather_objects((rank, mine), group):
+        for name, ranks, present in entries:
+            have.setdefault((name, ranks), ([], []))[0 if present else 1].append(glob)
+    found = [
+        f"param {name!r} has a grad on ranks {sorted(yes)} and None on ranks {sorted(no)}"
+        for (name, _), (yes, no) in have.items()
+        if yes and no
+    ]
+    raise GradPresenceError(
+        "; ".join(found[:5] or ["a param's grad is None on some ranks of its mesh only"])
+        + (f" (and {len(found) - 5} more)" if len(found) > 5 else "")
+        + ". Every rank holding a param must have its grad, or none (an unused param on some "
+        "ranks only, or zero_grad on some ranks only); stepping it on the others would make "
+        "its shards and replicas differ. Nothing was updated."
+    )
 
 
 def clip_norms(

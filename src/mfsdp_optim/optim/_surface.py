@@ -19,7 +19,7 @@ from .._infra.caches import clear_all
 from .._infra.grouping import by_device_dtype
 from . import _checkpointing
 from ._config import OptimizerConfig
-from ._engine import Engine
+from ._engine import Engine, check_disjoint
 from ._grad_scaler import GradScaler
 
 __all__ = ["OptimizerSurface"]
@@ -59,11 +59,19 @@ class OptimizerSurface(torch.optim.Optimizer):
         self.config = config if config is not None else OptimizerConfig()
         self.grad_scaler = grad_scaler
         self.model_chunks = list(model_chunks)
+        if len(bases) > 1 and not self.model_chunks:
+            raise ValueError(
+                f"{len(bases)} base optimizers were given without model_chunks: without them a "
+                "param is named by its position in its own optimizer ('param_groups.<g>.params."
+                "<j>'), so the names of different optimizers collide in checkpoints and in the "
+                "whole-param exchange. Pass model_chunks=[model] (the modules whose "
+                "named_parameters() hold the params) to name every param by its FQN."
+            )
         names = [f"optimizers[{i}]" if len(bases) > 1 else "" for i in range(len(bases))]
         self._engines = [
             Engine(o, self.model_chunks, self.config, n) for o, n in zip(bases, names, strict=True)
         ]
-        _check_disjoint(self._engines)
+        check_disjoint(self._engines)
 
     # ------------------------------------------------------------------------------------------
     # torch.optim.Optimizer surface
@@ -283,18 +291,3 @@ def _check_bases(optimizer: Any) -> list[torch.optim.Optimizer]:
         if not isinstance(o, torch.optim.Optimizer):
             raise TypeError(f"{where} must be a torch.optim.Optimizer, got {type(o).__name__}")
     return bases
-
-
-def _check_disjoint(engines: list[Engine]) -> None:
-    """Several base optimizers must hold disjoint params with distinct FQNs."""
-    seen: dict[int, int] = {}
-    names: dict[str, int] = {}
-    for i, e in enumerate(engines):
-        for s in e.table.slots:
-            j = seen.setdefault(id(s.param), i)
-            k = names.setdefault(s.fqn, i)
-            if j != i or k != i:
-                raise ValueError(
-                    f"param {s.fqn!r} is in optimizer[{min(j, k)}] and optimizer[{i}]; several "
-                    "base optimizers must hold disjoint params"
-                )

@@ -21,8 +21,10 @@ from ._layout_check import DuplicatedParam, check_layout
 
 # the wrapper layer's interface (``_seam``): in-package, not public API
 from ._seam import (  # noqa: F401
+    PRESENCE_PRIME,
     BucketKey,
     Buckets,
+    GradPresenceError,
     Parts,
     SegmentStats,
     capture_keepalive,

@@ -1,10 +1,11 @@
 """One rank's contribution to the grad statistics, and the one collective that combines them.
 
 Every rank of the grad-stats group sends ONE fixed-size float64 row in ONE all-gather, whatever
-its arguments: ``[norm_slot, zeros, nonfinite | segment norm slots | failed, norm_type,
-count_zeros, magic]``, its contribution (``_math``), one norm slot per *segment* when
-the grads come in several (the wrapper's base optimizers: their norms ride in the same row; a
-single segment adds no slot) and the verdict slots of the rank-agreement protocol
+its arguments: ``[norm_slot, zeros, nonfinite | presence (2) | segment norm slots | failed,
+norm_type, count_zeros, magic]``, its contribution (``_math``), the wrapper's grad-presence sums
+(``presence_bad``), one norm slot per *segment* when the grads come in several (the wrapper's
+base optimizers: their norms ride in the same row; a single segment adds no slot) and the verdict
+slots of the rank-agreement protocol
 (``_infra.agreement.VerdictSlots``: a refused rank, differing arguments or a foreign row raise on
 every rank; a second, fixed-size all-gather of messages only when a rank failed). Healthy case:
 that one collective, combined locally (a sum, or a max for ``p = inf``); ``host_sync=False``
@@ -37,6 +38,8 @@ from ._math import (
 )
 
 __all__ = [
+    "PRESENCE_PRIME",
+    "GradPresenceError",
     "GradStats",
     "RankFailedError",
     "StatsArgumentMismatchError",
@@ -62,8 +65,22 @@ class StatsArgumentMismatchError(RankMismatchError):
     (raised on every rank), or a peer was inside another collective."""
 
 
-# the row every rank sends: the contribution of _math (slots 0-2), then the verdict slots
-# [failed, norm_type, count_zeros, magic] of the rank-agreement protocol
+class GradPresenceError(ValueError):
+    """Some param has a grad on some ranks of its mesh and None on others (raised on every
+    rank of the grad-stats group; the wrapper names the params)."""
+
+
+# the grad-presence sums (the wrapper's ``presence``): each rank adds, for every param it holds
+# with a grad, h / n (h: the param's hash, n: its mesh's size, mod this prime) to the first sum
+# and, if it is the param's lowest mesh rank, h to the second. Over the group the sums agree
+# (mod the prime) when every param has a grad on all of its mesh's ranks or on none; a param
+# with a grad on k of n ranks (0 < k < n) leaves h * (k / n - [lowest has it]) != 0.
+PRESENCE_PRIME = 2_147_483_647  # 2**31 - 1: float64 sums of such values are exact
+
+
+# the row every rank sends: the contribution of _math (slots 0-2), the two presence sums, the
+# segment norm slots (several segments only), then the verdict slots [failed, norm_type,
+# count_zeros, magic] of the rank-agreement protocol
 _SLOTS = VerdictSlots(
     {"norm_type": float, "count_zeros": bool},
     magic=1_836_016_496.0,  # b"mfsp" as an integer: exact in float64
@@ -76,7 +93,10 @@ _SLOTS = VerdictSlots(
     ),
     mismatch=StatsArgumentMismatchError,
 )
-_CONTRIBUTION = NONFINITE_SLOT + 1
+_CONTRIBUTION = NONFINITE_SLOT + 1  # the width of one contribution
+_PRESENCE = _CONTRIBUTION  # the two grad-presence sums
+_SEGMENTS = _PRESENCE + 2  # where the segment norm slots start
+_PRESENCE_CACHE: dict[tuple, torch.Tensor] = {}
 
 
 def _segment_width(segments: int) -> int:
@@ -86,7 +106,7 @@ def _segment_width(segments: int) -> int:
 
 
 def _row_width(segments: int) -> int:
-    return _CONTRIBUTION + _segment_width(segments) + _SLOTS.width
+    return _SEGMENTS + _segment_width(segments) + _SLOTS.width
 
 
 class GradStats(NamedTuple):
@@ -143,6 +163,7 @@ def reduce_buckets(
     count_zeros: bool,
     group: dist.ProcessGroup | None,
     host_sync: bool = True,
+    presence: tuple[int, int] = (0, 0),
 ) -> GradStats:
     """The global statistics of every rank's ``buckets`` (see ``_buckets``), one collective.
 
@@ -158,7 +179,9 @@ def reduce_buckets(
     others cannot know without a host read, so they get ``total_norm=NaN`` and
     ``found_inf=True`` on the device (a grad scaler then skips the step on every rank).
     """
-    kw: dict[str, Any] = dict(norm_type=norm_type, count_zeros=count_zeros, group=group)
+    kw: dict[str, Any] = dict(
+        norm_type=norm_type, count_zeros=count_zeros, group=group, presence=presence
+    )
     if host_sync:
         return reduce_segments_read(buckets, segments=1, **kw)[0].stats
     return reduce_segments(buckets, segments=1, **kw).stats
@@ -170,11 +193,17 @@ def reduce_buckets_read(
     norm_type: float,
     count_zeros: bool,
     group: dist.ProcessGroup | None,
+    presence: tuple[int, int] = (0, 0),
 ) -> tuple[GradStats, list[float]]:
     """``reduce_buckets(host_sync=True)``, and the statistics on the host from the same single
     read: ``[found_inf, total_norm, num_zeros]`` as floats (``num_zeros`` 0 unless counted)."""
     seg, values = reduce_segments_read(
-        buckets, segments=1, norm_type=norm_type, count_zeros=count_zeros, group=group
+        buckets,
+        segments=1,
+        norm_type=norm_type,
+        count_zeros=count_zeros,
+        group=group,
+        presence=presence,
     )
     return seg.stats, values[:3]
 
@@ -186,13 +215,16 @@ def reduce_segments(
     norm_type: float,
     count_zeros: bool,
     group: dist.ProcessGroup | None,
+    presence: tuple[int, int] = (0, 0),
 ) -> SegmentStats:
     """``reduce_buckets(host_sync=False)`` over ``segments`` segments (``parts``: one
     ``Buckets`` per segment, every rank the same number): the totals and each segment's norm
     from the same single collective, nothing read on the host."""
     require_member(group)
     device = collective_device(group)
-    rows, failure, p, _ = _gather_rows(parts, norm_type, count_zeros, group, device, segments)
+    rows, failure, p, _ = _gather_rows(
+        parts, norm_type, count_zeros, group, device, segments, presence=presence
+    )
     if failure is not None:
         raise failure
     return _device_verdict(rows, p, bool(count_zeros), segments)
@@ -205,6 +237,7 @@ def reduce_segments_read(
     norm_type: float,
     count_zeros: bool,
     group: dist.ProcessGroup | None,
+    presence: tuple[int, int] = (0, 0),
 ) -> tuple[SegmentStats, list[float]]:
     """``reduce_segments`` with the verdict read on the host, and the statistics on the host
     from the same single read: ``[found_inf, total_norm, num_zeros, *segment norms]`` as
@@ -212,7 +245,7 @@ def reduce_segments_read(
     require_member(group)
     device = collective_device(group)
     rows, failure, p, world = _gather_rows(
-        parts, norm_type, count_zeros, group, device, segments, host_reads=True
+        parts, norm_type, count_zeros, group, device, segments, True, presence
     )
     seg, read = _start_read(rows, failure, p, bool(count_zeros), segments)
     values = _verdict_on_host(read, failure, group, device, world)
@@ -227,6 +260,7 @@ def reduce_buckets_deferred(
     count_zeros: bool,
     group: dist.ProcessGroup | None,
     segments: int = 1,
+    presence: tuple[int, int] = (0, 0),
 ) -> tuple[SegmentStats, torch.Tensor, Callable[[], list[float]]]:
     """``reduce_segments_read()`` with its host-side verdict postponed: ``(seg, bad, verdict)``.
 
@@ -242,7 +276,7 @@ def reduce_buckets_deferred(
     require_member(group)
     device = collective_device(group)
     rows, failure, p, world = _gather_rows(
-        buckets, norm_type, count_zeros, group, device, segments, host_reads=True
+        buckets, norm_type, count_zeros, group, device, segments, True, presence
     )
     seg, read = _start_read(rows, failure, p, bool(count_zeros), segments)
     if seg is None:
@@ -268,8 +302,10 @@ def _gather_rows(
     device: torch.device,
     segments: int,
     host_reads: bool = False,
+    presence: tuple[int, int] = (0, 0),
 ) -> tuple[torch.Tensor, BaseException | None, float, int]:
-    """This rank's row (contribution, segment norm slots, failure flag, arguments, marker) and
+    """This rank's row (contribution, presence sums, segment norm slots, failure flag,
+    arguments, marker) and
     THE collective: every rank's rows, ``(rows, this rank's failure, p, world)``.
     ``host_reads``: the CPU stats may read their own CPU flags before the collective (see
     ``stats._cpu``). The row's width depends on ``segments`` alone, never on the input."""
@@ -296,13 +332,38 @@ def _gather_rows(
         contribution = contribution.to(torch.float64)
     assert contribution is not None
     slots = _SLOTS.encode(device, failure is not None, (p, count_zeros is True))
-    row = torch.cat([contribution, slots])
+    row = torch.cat(
+        [
+            contribution[:_CONTRIBUTION],
+            _presence_slots(device, presence),
+            contribution[_CONTRIBUTION:],
+            slots,
+        ]
+    )
     world = dist.get_world_size(group)
     width = _row_width(segments)
     rows = row.new_empty(world * width)
     comm._all_gather_flat(rows, row, group)  # THE collective: one per call on every rank
     rows = rows.view(world, width)
     return rows, failure, p, world
+
+
+def _presence_slots(device: torch.device, presence: tuple[int, int]) -> torch.Tensor:
+    """The two presence sums as float64 on ``device``, made once per value and kept (a fresh
+    host-to-device copy per step could stall the host: see ``VerdictSlots.encode``)."""
+    key = (device, int(presence[0]), int(presence[1]))
+    slots = _PRESENCE_CACHE.get(key)
+    if slots is None:
+        if len(_PRESENCE_CACHE) >= 64:
+            _PRESENCE_CACHE.clear()
+        slots = _PRESENCE_CACHE[key] = torch.tensor(key[1:], dtype=torch.float64).to(device)
+    return slots
+
+
+def presence_bad(rows: torch.Tensor) -> torch.Tensor:
+    """On the device: the two presence sums of every rank's row differ (mod the prime)."""
+    sums = rows[:, _PRESENCE : _PRESENCE + 2].sum(dim=0)
+    return torch.remainder(sums[0] - sums[1], PRESENCE_PRIME) != 0
 
 
 def _as_segments(parts: Buckets | Sequence[Buckets], segments: int) -> list[Buckets]:
@@ -317,13 +378,14 @@ def _start_read(
     rows: torch.Tensor, failure: BaseException | None, p: float, count_zeros: bool, segments: int
 ) -> tuple[SegmentStats | None, HostRead]:
     """The statistics (None when this rank failed) and ONE host copy, started now, of every
-    rank's flags followed by ``[found_inf, total_norm, num_zeros, *segment norms]`` in
-    float64."""
+    rank's flags followed by the presence verdict and ``[found_inf, total_norm, num_zeros,
+    *segment norms]`` in float64."""
     flags = rows[:, -_SLOTS.width :].reshape(-1)
     if failure is not None:
         return None, HostRead(flags)
     seg = _finish(rows, p, count_zeros, segments)
-    return seg, HostRead(torch.cat([flags, packed_values(seg.stats), seg.norms.double()]))
+    bad = presence_bad(rows).to(torch.float64).reshape(1)
+    return seg, HostRead(torch.cat([flags, bad, packed_values(seg.stats), seg.norms.double()]))
 
 
 def packed_values(stats: GradStats) -> torch.Tensor:
@@ -346,7 +408,13 @@ def _verdict_on_host(
     host = read.wait()
     width = _SLOTS.width
     _SLOTS.settle(host[: world * width].view(world, width), failure, group, device)
-    return host[world * width :].tolist()
+    if host[world * width]:  # the same sums on every rank: every rank raises here
+        raise GradPresenceError(
+            "some param has a grad on some ranks of its mesh and None on others (the "
+            "grad-presence check of the grad-stats collective): every rank holding a param must "
+            "have its grad, or none. Nothing was updated."
+        )
+    return host[world * width + 1 :].tolist()
 
 
 def _finish(rows: torch.Tensor, p: float, count_zeros: bool, segments: int) -> SegmentStats:
@@ -356,7 +424,7 @@ def _finish(rows: torch.Tensor, p: float, count_zeros: bool, segments: int) -> S
     stats = GradStats(total_norm=norm, num_zeros=num_zeros, found_inf=total[NONFINITE_SLOT] > 0)
     if segments == 1:
         return SegmentStats(stats, norm.view(1), total[NORM_SLOT : NORM_SLOT + 1])
-    part = rows[:, _CONTRIBUTION : _CONTRIBUTION + segments]
+    part = rows[:, _SEGMENTS : _SEGMENTS + segments]
     slots = part.amax(dim=0) if math.isinf(p) else part.sum(dim=0)
     return SegmentStats(stats, finish_norm(slots, p), slots)
 
@@ -378,7 +446,7 @@ def _device_verdict(rows: torch.Tensor, p: float, count_zeros: bool, segments: i
 def _bad(rows: torch.Tensor, p: float, count_zeros: bool) -> torch.Tensor:
     """On the device: some rank failed, or the ranks' arguments or markers differ (every rank's
     meta slots against this healthy rank's own: one comparison, broadcast over the ranks)."""
-    return _SLOTS.bad(rows[:, -_SLOTS.width :], (p, count_zeros))
+    return _SLOTS.bad(rows[:, -_SLOTS.width :], (p, count_zeros)) | presence_bad(rows)
 
 
 def require_member(group: dist.ProcessGroup | None) -> None:

@@ -11,6 +11,7 @@ through a private module; ``tests/infra/test_layers.py`` checks that. What it ge
   enqueued), each giving a ``SegmentStats``: the totals and every segment's norm from the same
   row; ``segment_norm`` the norm over several segments; ``segment_stats_of`` the same from
   DTensor grads (bucketing included); ``packed_values`` the host layout;
+- the grad-presence check: ``PRESENCE_PRIME`` (the sums' modulus) and ``GradPresenceError``;
 - clipping: ``check_max_norm``, ``clip_divisor``, ``scale_by_clip_coef_``; ``check_norm_type``;
 - the captured step: ``capture_keepalive`` (the device buffers a captured graph reads).
 """
@@ -26,6 +27,8 @@ from ._buckets import BucketKey, Buckets, bucket_local_shards, layout_of
 from ._clip import check_max_norm, clip_divisor, scale_by_clip_coef_
 from ._math import check_norm_type
 from ._reduce import (
+    PRESENCE_PRIME,
+    GradPresenceError,
     GradStats,
     Parts,
     SegmentStats,
@@ -37,8 +40,10 @@ from ._reduce import (
 from ._reduce import reduce_buckets_deferred as reduce_segments_deferred
 
 __all__ = [
+    "PRESENCE_PRIME",
     "BucketKey",
     "Buckets",
+    "GradPresenceError",
     "GradStats",
     "Parts",
     "SegmentStats",

@@ -15,9 +15,12 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ..._infra.agreement import Wording, agree
 from ..._infra.comm import collective_device
 
-__all__ = ["TRAFFIC", "exchange", "exchange_records", "view_as"]
+__all__ = ["TRAFFIC", "WORDING", "exchange", "exchange_records", "settle", "view_as"]
+
+WORDING = Wording("the whole-param optimizer step", "whole-param exchange group")
 
 # (direction, "sent" | "received") -> bytes this process exchanged with other ranks
 TRAFFIC: defaultdict[tuple[str, str], int] = defaultdict(int)
@@ -108,3 +111,19 @@ def view_as(raw: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
     if raw.storage_offset() % size:
         raw = raw.clone()
     return raw.view(dtype).view(shape)
+
+
+def settle(
+    error: BaseException | None, statuses: Sequence[int], group: dist.ProcessGroup | None
+) -> None:
+    """After a step's last exchange, before anything is written: when this rank failed
+    (``error``) or any status word it received is non-zero, every rank gets here alike and
+    issues ONE object gather of every rank's failure (``agreement.agree``); the failing ranks
+    raise their own error, the others ``RankFailedError`` naming them. Otherwise nothing."""
+    if error is None and not any(statuses):
+        return
+    verdict = agree(error, group, always=True)
+    verdict.raise_own_or_peer(error, WORDING)
+    raise RuntimeError(  # a status word without a failure behind it: a bug, never a result
+        f"{WORDING.what}: a rank signalled a failure but reported none; nothing was updated"
+    )

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..._infra.placement import SCALAR_STATE_KEYS, in_layout_of
-from ._exchange import exchange_records, view_as
+from ._exchange import exchange_records, settle, view_as
 from ._pieces import extract, insert, piece_numel, piece_shape
 from ._plan import WholeParamPlan
 
@@ -64,83 +64,120 @@ def _local(value: object) -> object:
     return value._local_tensor if isinstance(value, DTensor) else value
 
 
+def _snapshot(value: object) -> object:
+    """A state value the class may change in place, as a copy (its step runs on copies)."""
+    value = _local(value)
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
 def generic_step(
     optimizer: torch.optim.Optimizer,
     params: Sequence[DTensor],
     group_index: Sequence[int],
     plan: WholeParamPlan,
     group: dist.ProcessGroup | None,
-    error: str | None,
 ) -> None:
+    """One step of the class's own ``step()`` on whole params, after the step's agreement.
+
+    The owner steps full copies (param, grad, every state entry), so nothing the class changes
+    is live until every rank knows every rank succeeded; an exception anywhere (the class's own
+    ``step()`` included) is the rank's status in the next exchange, and after the last one every
+    rank raises alike (``settle``) with no param, state entry or group value changed."""
     units, rank, world = plan.units, plan.rank, plan.world
-    mine: dict[int, int] = {}
-    for i, (p, u) in enumerate(zip(params, plan.local_units, strict=True)):
-        if p.grad is not None:
-            mine[u] = i
-    # members -> owner: (unit, [(key, dtype)]) headers, then the pieces' bytes
+    error: BaseException | None = None
+    mine = dict(zip(plan.local_units, range(len(params)), strict=True))  # unit -> param index
+    present = {u: params[i].grad is not None for u, i in mine.items()}
+    # members -> owner: (unit, present, [(key, dtype)]) headers, then the pieces' bytes
     records: list[tuple[list, list[torch.Tensor]]] = [([], []) for _ in range(world)]
-    for u, i in mine.items():
-        owner = units[u].owner
-        if owner == rank or error is not None:
-            continue
-        p = params[i]
-        entries = [(PARAM, p._local_tensor), (GRAD, _grad_local(p))]
-        entries += [
-            (k, v._local_tensor)
-            for k, v in optimizer.state.get(p, {}).items()
-            if isinstance(v, DTensor) and _param_shaped(k, v, tuple(p.shape))
-        ]
-        records[owner][0].append((u, [(k, str(t.dtype)) for k, t in entries]))
-        records[owner][1].extend(t for _, t in entries)
+    try:
+        for u, i in mine.items():
+            owner = units[u].owner
+            if owner == rank:
+                continue
+            p = params[i]
+            entries = []
+            if present[u]:
+                entries = [(PARAM, p._local_tensor), (GRAD, _grad_local(p))]
+                entries += [
+                    (k, v._local_tensor)
+                    for k, v in optimizer.state.get(p, {}).items()
+                    if isinstance(v, DTensor) and _param_shaped(k, v, tuple(p.shape))
+                ]
+            records[owner][0].append((u, present[u], [(k, str(t.dtype)) for k, t in entries]))
+            records[owner][1].extend(t for _, t in entries)
+    except Exception as exc:  # still takes part in both exchanges, then raises (settle)
+        error = exc
+        records = [([], []) for _ in range(world)]
     got, statuses = exchange_records(
-        "generic_in", [(h, t) for h, t in records], 1 if error else 0, group
+        "generic_in", [(h, t) for h, t in records], int(error is not None), group
     )
-    failed = {r for r, s in enumerate(statuses) if s == 1}  # 1: failed itself, 2: relays it
-    relayed = {r for r, s in enumerate(statuses) if s == 2}
-    # owners: full tensors of the units they own
+    ok = error is None and not any(statuses)
+    # owners: every member's presence, then full tensors of the units they own
     pieces_in: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-    for r, (header, raw) in enumerate(got):
-        if r == rank or header is None or r in failed or r in relayed:
-            continue
-        offset = 0
-        for u, sent_keys in header:  # type: ignore[attr-defined]
-            piece = units[u].pieces[units[u].members.index(r)]
-            n = piece_numel(piece)
-            entry = {}
-            for k, dt in sent_keys:
-                dtype = _dtype(dt)
-                size = n * torch.empty((), dtype=dtype).element_size()
-                entry[k] = view_as(raw[offset : offset + size], dtype, piece_shape(piece))
-                offset += size
-            pieces_in[(u, r)] = entry
+    member_present: dict[tuple[int, int], bool] = {}
+    try:
+        for r, (header, raw) in enumerate(got):
+            if r == rank or header is None or not ok:
+                continue
+            offset = 0
+            for u, here, sent_keys in header:  # type: ignore[attr-defined]
+                member_present[(u, r)] = here
+                piece = units[u].pieces[units[u].members.index(r)]
+                n = piece_numel(piece)
+                entry = {}
+                for k, dt in sent_keys:
+                    dtype = _dtype(dt)
+                    size = n * torch.empty((), dtype=dtype).element_size()
+                    entry[k] = view_as(raw[offset : offset + size], dtype, piece_shape(piece))
+                    offset += size
+                pieces_in[(u, r)] = entry
+    except Exception as exc:
+        error, ok = exc, False
     fulls: dict[int, torch.Tensor] = {}
     view: defaultdict[torch.Tensor, dict] = defaultdict(dict)
-    ok = error is None and not failed and not relayed
-    for u, i in mine.items():
-        unit = units[u]
-        if unit.owner != rank or not ok:
-            continue
-        p = params[i]
-        device = p._local_tensor.device
-        state = optimizer.state.get(p, {})
-        own = {PARAM: p._local_tensor, GRAD: _grad_local(p)}
-        own.update({k: _local(v) for k, v in state.items() if _param_shaped(k, v, tuple(p.shape))})
-        full = {k: torch.empty(p.shape, dtype=t.dtype, device=device) for k, t in own.items()}
-        for member, piece in zip(unit.members, unit.pieces, strict=True):
-            src = own if member == rank else pieces_in[(u, member)]
-            for k, t in full.items():
-                insert(t, piece, src[k].to(device))
-        full_param = full.pop(PARAM)
-        full_param.grad = full.pop(GRAD)
-        fulls[u] = full_param
-        view[full_param] = {k: full.get(k, _local(v)) for k, v in state.items()}
+    try:
+        for u, i in mine.items():
+            unit = units[u]
+            if unit.owner != rank or not ok:
+                continue
+            here = [present[u] if m == rank else member_present[(u, m)] for m in unit.members]
+            if len(set(here)) > 1:
+                have = [m for m, h in zip(unit.members, here, strict=True) if h]
+                lack = [m for m, h in zip(unit.members, here, strict=True) if not h]
+                raise ValueError(
+                    f"param {unit.meta.name!r}: its grad is None on ranks {lack} but not on "
+                    f"ranks {have} of its shard group, so its whole-param update cannot be "
+                    "computed: give it a grad on every rank of its mesh or on none (e.g. "
+                    "zero_grad(set_to_none=True) on every rank, a param used on some ranks "
+                    "only); nothing was updated on any rank"
+                )
+            if not present[u]:
+                continue
+            p = params[i]
+            device = p._local_tensor.device
+            state = optimizer.state.get(p, {})
+            own = {PARAM: p._local_tensor, GRAD: _grad_local(p)}
+            own.update(
+                {k: _local(v) for k, v in state.items() if _param_shaped(k, v, tuple(p.shape))}
+            )
+            full = {k: torch.empty(p.shape, dtype=t.dtype, device=device) for k, t in own.items()}
+            for member, piece in zip(unit.members, unit.pieces, strict=True):
+                src = own if member == rank else pieces_in[(u, member)]
+                for k, t in full.items():
+                    insert(t, piece, src[k].to(device))
+            full_param = full.pop(PARAM)
+            full_param.grad = full.pop(GRAD)
+            fulls[u] = full_param
+            view[full_param] = {k: full.get(k, _snapshot(v)) for k, v in state.items()}
+    except Exception as exc:
+        error, ok = exc, False
     # every rank steps once; owners see their full params, the others empty lists
     groups = optimizer.param_groups
     saved = [list(g["params"]) for g in groups]
+    values = [{k: v for k, v in g.items() if k != "params"} for g in groups]
     shown: list[list[torch.Tensor]] = [[] for _ in groups]
-    for u, i in mine.items():
-        if u in fulls:
-            shown[group_index[i]].append(fulls[u])
+    for u, full_param in fulls.items():
+        shown[group_index[mine[u]]].append(full_param)
     original_state = optimizer.state
     if ok:
         try:
@@ -148,6 +185,8 @@ def generic_step(
                 g["params"][:] = lst
             optimizer.state = view
             optimizer.step()
+        except Exception as exc:  # the class's own step: reported like any other failure
+            error, ok = exc, False
         finally:
             for g, lst in zip(groups, saved, strict=True):
                 g["params"][:] = lst
@@ -155,38 +194,40 @@ def generic_step(
     # owner -> members: the param's piece, param-shaped pieces, full other entries
     out: list[tuple[list, list[torch.Tensor]]] = [([], []) for _ in range(world)]
     results: dict[int, tuple[list, list]] = {}
-    for u, full_param in fulls.items():
-        unit = units[u]
-        new_state = view.get(full_param, {})
-        for member, piece in zip(unit.members, unit.pieces, strict=True):
-            keys: list[tuple] = [(PARAM, "p", str(full_param.dtype), None, None)]
-            tensors: list[torch.Tensor | None] = [extract(full_param, piece)]
-            for k, v in new_state.items():
-                if _param_shaped(k, v, tuple(full_param.shape)):
-                    keys.append((k, "p", str(v.dtype), None, None))
-                    tensors.append(extract(v, piece))
-                elif isinstance(v, torch.Tensor):
-                    keys.append((k, "r", str(v.dtype), tuple(v.shape), v.device.type))
-                    tensors.append(v)
+    try:
+        for u, full_param in fulls.items() if ok else ():
+            unit = units[u]
+            new_state = view.get(full_param, {})
+            for member, piece in zip(unit.members, unit.pieces, strict=True):
+                keys: list[tuple] = [(PARAM, "p", str(full_param.dtype), None, None)]
+                tensors: list[torch.Tensor | None] = [extract(full_param, piece)]
+                for k, v in new_state.items():
+                    if _param_shaped(k, v, tuple(full_param.shape)):
+                        keys.append((k, "p", str(v.dtype), None, None))
+                        tensors.append(extract(v, piece))
+                    elif isinstance(v, torch.Tensor):
+                        keys.append((k, "r", str(v.dtype), tuple(v.shape), v.device.type))
+                        tensors.append(v)
+                    else:
+                        keys.append((k, "v", None, None, v))
+                        tensors.append(None)
+                if member == rank:
+                    results[u] = (keys, tensors)
                 else:
-                    keys.append((k, "v", None, None, v))
-                    tensors.append(None)
-            if member == rank:
-                results[u] = (keys, tensors)
-            else:
-                out[member][0].append((u, keys))
-                out[member][1].extend(t for t in tensors if t is not None)
-    status = 1 if error is not None else 2 if failed else 0
-    back, statuses = exchange_records("generic_out", out, status, group)
-    failed |= {r for r, s in enumerate(statuses) if s == 1}
-    relayed |= {r for r, s in enumerate(statuses) if s == 2}
-    if error is not None:
-        raise ValueError(error)
-    if failed or relayed:
-        raise RuntimeError(
-            f"whole-param step: ranks {sorted(failed)} failed during this step (see their "
-            f"errors; relayed by ranks {sorted(relayed)}); no param was updated on this rank"
-        )
+                    out[member][0].append((u, keys))
+                    out[member][1].extend(t for t in tensors if t is not None)
+    except Exception as exc:
+        error, ok = exc, False
+    if not ok:
+        out = [([], []) for _ in range(world)]
+    back, statuses_out = exchange_records("generic_out", out, int(error is not None), group)
+    if error is not None or any(statuses_out) or any(statuses):
+        for g, before in zip(groups, values, strict=True):  # what the class's step set there
+            for k in [k for k in g if k != "params" and k not in before]:
+                del g[k]
+            g.update(before)
+    settle(error, [*statuses, *statuses_out], group)
+    # every rank succeeded: read the results, then write the params and their state
     for r, (header, raw) in enumerate(back):
         if r == rank or header is None:
             continue

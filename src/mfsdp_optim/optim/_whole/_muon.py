@@ -3,8 +3,11 @@
 Momentum, the Nesterov blend, weight decay and the final add run on each rank's local shard (so
 ``momentum_buffer`` stays a sharded DTensor); the Newton-Schulz input travels once, as bfloat16
 (torch casts it to bfloat16 first), from every member of a unit to its owner, which runs torch's
-own ``_zeropower_via_newtonschulz`` and sends each member its piece of the result. One exchange
-per direction for all params. Bit for bit torch's Muon on the unsharded params.
+own ``_zeropower_via_newtonschulz`` (or, opt-in, one batched call per matrix shape) and sends each
+member, and each rank of the other replicas (the unit's receivers), its piece of the result. One
+exchange per direction for all params. Bit for bit torch's Muon on the unsharded params. A
+refused step (any rank failing anywhere, or ranks disagreeing on a param's grad) writes nothing
+on any rank.
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from torch.optim.optimizer import _to_scalar
 
 from ..._infra.placement import in_layout_of
-from ._exchange import exchange, view_as
+from ._exchange import exchange, settle, view_as
 from ._pieces import extract, insert, piece_numel, piece_shape
-from ._plan import NS_BYTES, WholeParamPlan, muon_splits
+from ._plan import NS_BYTES, STATUS_BYTES, WholeParamPlan, flag_bytes, muon_splits
 
 __all__ = ["batched_newton_schulz", "muon_step", "newton_schulz_all"]
 
@@ -31,130 +34,234 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(U8)
 
 
+def _flags(optimizer, p: DTensor, group: dict) -> int:
+    """This rank's flags for one param: 1 it has a grad, 2 (with 1) its Newton-Schulz input is
+    the momentum buffer itself (no nesterov, a bfloat16 buffer)."""
+    if p.grad is None:
+        return 0
+    old = optimizer.state.get(p, {}).get("momentum_buffer")
+    dtype = old.dtype if isinstance(old, torch.Tensor) else p.grad.dtype
+    return 1 | (2 if not group["nesterov"] and dtype == torch.bfloat16 else 0)
+
+
+def _mismatch(name: str, members: Sequence[int], flags: Sequence[int]) -> str:
+    have = [m for m, f in zip(members, flags, strict=True) if f & 1]
+    lack = [m for m, f in zip(members, flags, strict=True) if not f & 1]
+    if have and lack:
+        return (
+            f"param {name!r}: its grad is None on ranks {lack} but not on ranks {have} of its "
+            "shard group, so its whole-param update cannot be computed: give it a grad on every "
+            "rank of its mesh or on none (e.g. zero_grad(set_to_none=True) on every rank, a "
+            "param used on some ranks only); nothing was updated on any rank"
+        )
+    alias = [m for m, f in zip(members, flags, strict=True) if f & 2]
+    plain = [m for m, f in zip(members, flags, strict=True) if not f & 2]
+    return (
+        f"param {name!r}: ranks {alias} step its momentum buffer without nesterov in bfloat16 "
+        f"and ranks {plain} do not (nesterov or the buffer's dtype differ between ranks): pass "
+        "the same param groups on every rank; nothing was updated on any rank"
+    )
+
+
 def muon_step(
     optimizer: torch.optim.Optimizer,
     params: Sequence[DTensor],
     groups: Sequence[dict],
     plan: WholeParamPlan,
     group: dist.ProcessGroup | None,
-    error: str | None,
     batched: bool = False,
 ) -> None:
-    """One Muon step of ``params`` (``groups[i]`` is params[i]'s param group). ``error``: this
-    rank's local failure, sent as its status; raised after the exchange. ``batched``: an owner
-    runs Newton-Schulz once per (shape, hyperparameters) over all its matrices of that shape
-    (``newton_schulz_all``)."""
+    """One Muon step of ``params`` (``groups[i]`` is params[i]'s param group), after the step's
+    agreement. Nothing is written before every rank knows that every rank succeeded: the new
+    momentum is computed into a new buffer, and after the last exchange it and the params are
+    written, or every rank raises (``settle``) with nothing changed on any rank. ``batched``: an
+    owner runs Newton-Schulz once per (shape, hyperparameters) over all its matrices of that
+    shape (``newton_schulz_all``).
+
+    Every rank that holds a unit and is not its owner (a member of the owner's shard group, or
+    a receiver in another replica) sends the owner its flags (one byte per unit, padded); members
+    also send their piece of the Newton-Schulz input. The owner sends each of them what ITS
+    flags ask for, so the sizes match whatever happened on the owner."""
     units, rank, world = plan.units, plan.rank, plan.world
+    error: BaseException | None = None
+    mine = dict(zip(plan.local_units, range(len(params)), strict=True))  # unit -> param index
+    flags = dict.fromkeys(mine, 0)  # what this rank tells the owners (sizes follow them)
+    try:
+        for u, i in mine.items():
+            flags[u] = _flags(optimizer, params[i], groups[i])
+    except Exception as exc:  # its flags stay 0 (absent): the sizes still agree
+        error = exc
     present = [False] * len(units)
     alias = [False] * len(units)
+    for u, f in flags.items():
+        present[u], alias[u] = bool(f & 1), bool(f & 2)
     ns_in: dict[int, torch.Tensor] = {}  # unit -> this rank's piece of the NS input
-    bufs: dict[int, torch.Tensor] = {}
-    mine: dict[int, int] = {}  # unit -> index into params
-    for i, (p, u) in enumerate(zip(params, plan.local_units, strict=True)):
-        if p.grad is None:
-            continue
-        mine[u] = i
-        present[u] = True
-        if error is not None:
-            continue
-        g = groups[i]
-        state = optimizer.state[p]
-        grad = p.grad._local_tensor  # type: ignore[attr-defined]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = in_layout_of(torch.zeros_like(grad), p)
-        buf = state["momentum_buffer"]._local_tensor
-        bufs[u] = buf
-        momentum = g["momentum"]
-        buf.lerp_(grad, 1 - momentum)
-        update = grad.lerp(buf, momentum) if g["nesterov"] else buf
-        alias[u] = update is buf and update.dtype == torch.bfloat16
-        ns_in[u] = update.bfloat16()
-    if error is not None:  # filler of the agreed sizes
-        for u in mine:
-            ns_in[u] = torch.zeros(piece_shape(units[u].piece_for(rank)), dtype=torch.bfloat16)
-    # the owner needs the same present/alias flags: it is a member, so it computed them itself
-    send_in, recv_in, _, recv_out = muon_splits(units, rank, world, present, alias)
+    new_bufs: dict[int, torch.Tensor] = {}  # unit -> the new momentum (local), written last
+    scale: dict[int, tuple[float, float]] = {}  # unit -> (weight decay factor, adjusted lr)
+    try:
+        for u, i in mine.items():
+            if not present[u] or error is not None:
+                continue
+            p, g = params[i], groups[i]
+            grad = p.grad._local_tensor  # type: ignore[union-attr]
+            old = optimizer.state.get(p, {}).get("momentum_buffer")
+            momentum = g["momentum"]
+            if old is None:
+                buf = torch.zeros_like(grad).lerp_(grad, 1 - momentum)
+            else:
+                local_old = old._local_tensor if isinstance(old, DTensor) else old
+                if local_old.shape != grad.shape:
+                    raise ValueError(
+                        f"param {plan.metas[i].name!r}: its momentum_buffer's local shard is "
+                        f"{tuple(local_old.shape)}, its grad's {tuple(grad.shape)}: the state "
+                        "does not belong to this layout (load it again, or reset the state)"
+                    )
+                buf = local_old.lerp(grad, 1 - momentum)
+            new_bufs[u] = buf
+            update = grad.lerp(buf, momentum) if g["nesterov"] else buf
+            ns_in[u] = update.bfloat16()  # aliases buf where alias[u]
+            lr = _to_scalar(g["lr"])
+            scale[u] = (1 - lr * g["weight_decay"], _adjust_lr(lr, g["adjust_lr_fn"], p.shape))
+    except Exception as exc:  # still takes part in both exchanges, then raises (settle)
+        error = exc
+    key = ("muon_in", plan.digest)
+    if key not in plan.slot:
+        plan.slot[key] = muon_splits(units, rank, world)[:2]
+    send_in, recv_in = plan.slot[key]
+    # members and receivers -> owner: one flag byte per unit (in unit order), padded, then the
+    # members' pieces (receivers send flags only)
     payload: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    to_owner: list[list[int]] = [[] for _ in range(world)]
     for u, unit in enumerate(units):
-        if present[u] and unit.owner != rank and rank in unit.members:  # receivers send none
-            payload[unit.owner].append(_as_bytes(ns_in[u]))
+        if u in mine and unit.owner != rank:
+            to_owner[unit.owner].append(u)
+    for owner, us in enumerate(to_owner):
+        if not us:
+            continue
+        fl = torch.zeros(flag_bytes(len(us)), dtype=U8)
+        fl[: len(us)] = torch.tensor([flags[u] for u in us], dtype=U8)
+        payload[owner].append(fl)
+        for u in us:
+            if rank not in units[u].members:
+                continue
+            piece = units[u].pieces[units[u].members.index(rank)]
+            data = ns_in.get(u) if error is None else None
+            if data is None:  # no grad here, or this rank failed: zeros of the agreed size
+                data = torch.zeros(piece_shape(piece), dtype=torch.bfloat16)
+            payload[owner].append(_as_bytes(data))
     received, statuses = exchange(
-        "muon_in", payload, [max(0, n - 8) for n in recv_in], 1 if error else 0, group
+        "muon_in", payload, [n - STATUS_BYTES if n else 0 for n in recv_in], int(bool(error)), group
     )
-    failed = {r for r, s in enumerate(statuses) if s == 1}  # 1: failed itself, 2: relays it
-    relayed = {r for r, s in enumerate(statuses) if s == 2}
-    # owners: assemble, orthogonalise, cut the result into pieces for members and receivers
+    # owners: every member's and receiver's flags, then assemble, orthogonalise, cut the result
+    from_peer: list[list[int]] = [[] for _ in range(world)]
+    for u, unit in enumerate(units):
+        if unit.owner == rank:
+            for m in (*unit.members, *unit.receivers):
+                if m != rank:
+                    from_peer[m].append(u)
+    peer_flags: dict[tuple[int, int], int] = {}  # (unit, member or receiver) -> its flags
     offsets = [0] * world
+    for m, us in enumerate(from_peer):
+        if us:
+            got = received[m][: len(us)].tolist()
+            peer_flags.update({(u, m): int(f) for u, f in zip(us, got, strict=True)})
+            offsets[m] = flag_bytes(len(us))
+    ok = error is None and not any(statuses)
+    fulls: dict[int, torch.Tensor] = {}
+    for u, unit in enumerate(units):
+        if unit.owner != rank:
+            continue
+        holders = (*unit.members, *unit.receivers)
+        unit_flags = [flags[u] if m == rank else peer_flags[(u, m)] for m in holders]
+        if ok and len(set(unit_flags)) > 1:
+            error, ok = ValueError(_mismatch(unit.meta.name, holders, unit_flags)), False
+        if ok and present[u]:
+            try:
+                device = ns_in[u].device
+                full = torch.empty(unit.meta.shape, dtype=torch.bfloat16, device=device)
+                for member, piece in zip(unit.members, unit.pieces, strict=True):
+                    if member == rank:
+                        data = ns_in[u]
+                    else:
+                        n = piece_numel(piece) * NS_BYTES
+                        raw = received[member][offsets[member] : offsets[member] + n]
+                        data = view_as(raw, torch.bfloat16, (-1,)).to(device)
+                    insert(full, piece, data.view(piece_shape(piece)))
+                fulls[u] = full
+            except Exception as exc:  # reported in the second exchange's status word
+                error, ok = exc, False
+        for member, piece in zip(unit.members, unit.pieces, strict=True):
+            if member != rank:
+                offsets[member] += piece_numel(piece) * NS_BYTES
+    orthogonal: dict[int, torch.Tensor] = {}
+    if ok and fulls:
+        try:
+            orthogonal = newton_schulz_all(fulls, {u: groups[mine[u]] for u in fulls}, batched)
+        except Exception as exc:  # reported in the second exchange's status word
+            error, ok = exc, False
+    # each member and receiver gets what ITS flags ask for, so the sizes match whatever
+    # happened here
     out: list[list[torch.Tensor]] = [[] for _ in range(world)]
     results: dict[int, torch.Tensor] = {}
     after_alias: dict[int, torch.Tensor] = {}
-    fulls: dict[int, torch.Tensor] = {}
     for u, unit in enumerate(units):
-        if not present[u] or unit.owner != rank:
+        if unit.owner != rank:
             continue
-        full = torch.empty(unit.meta.shape, dtype=torch.bfloat16, device=ns_in[u].device)
-        for member, piece in zip(unit.members, unit.pieces, strict=True):
-            if member == rank:
-                data = ns_in[u]
-            else:
-                n = piece_numel(piece) * NS_BYTES
-                raw = received[member][offsets[member] : offsets[member] + n]
-                offsets[member] += n
-                data = view_as(raw, torch.bfloat16, (-1,)).to(full.device)
-            insert(full, piece, data.view(piece_shape(piece)))
-        fulls[u] = full
-    if failed or relayed or error is not None:
-        orthogonal = {u: torch.zeros_like(full) for u, full in fulls.items()}
-    else:
-        orthogonal = newton_schulz_all(fulls, {u: groups[mine[u]] for u in fulls}, batched)
-    for u, full in fulls.items():
-        unit, result = units[u], orthogonal[u]
-        for member, piece in zip(unit.members, unit.pieces, strict=True):
-            if member == rank:
-                results[u] = extract(result, piece)
-                if alias[u]:
-                    after_alias[u] = extract(full, piece)
-                continue
-            out[member].append(_as_bytes(extract(result, piece)))
-            if alias[u]:
-                out[member].append(_as_bytes(extract(full, piece)))
-        for receiver, piece in zip(unit.receivers, unit.receiver_pieces, strict=True):
-            out[receiver].append(_as_bytes(extract(result, piece)))
-            if alias[u]:
-                out[receiver].append(_as_bytes(extract(full, piece)))
-    status = 1 if error is not None else 2 if failed else 0
-    back, statuses = exchange("muon_out", out, [max(0, n - 8) for n in recv_out], status, group)
-    failed |= {r for r, s in enumerate(statuses) if s == 1}
-    relayed |= {r for r, s in enumerate(statuses) if s == 2}
-    if error is not None:
-        raise ValueError(error)
-    if failed or relayed:
-        raise RuntimeError(
-            f"whole-param Muon step: ranks {sorted(failed)} failed during this step (see their "
-            f"errors; relayed by ranks {sorted(relayed)}); the params were not updated, the "
-            "momentum buffers of the params they share were advanced: resume from a checkpoint"
+        orth, normalised = orthogonal.get(u), fulls.get(u)
+        pairs = zip(
+            (*unit.members, *unit.receivers), (*unit.pieces, *unit.receiver_pieces), strict=True
         )
+        for holder, piece in pairs:
+            f = flags[u] if holder == rank else peer_flags[(u, holder)]
+            if not f & 1:
+                continue
+            if ok and orth is not None and normalised is not None:
+                parts = [extract(orth, piece)] + ([extract(normalised, piece)] if f & 2 else [])
+            else:  # filler of the agreed size: every rank raises after this exchange
+                filler = torch.zeros(piece_shape(piece), dtype=torch.bfloat16)
+                parts = [filler] * (2 if f & 2 else 1)
+            if holder == rank:
+                results[u] = parts[0]
+                if f & 2:
+                    after_alias[u] = parts[1]
+                continue
+            out[holder].extend(_as_bytes(t) for t in parts)
+    _, _, _, recv_out = muon_splits(units, rank, world, present, alias)
+    back, statuses_out = exchange(
+        "muon_out",
+        out,
+        [n - STATUS_BYTES if n else 0 for n in recv_out],
+        int(error is not None),
+        group,
+    )
+    settle(error, [*statuses, *statuses_out], group)
+    # every rank succeeded: read the results, then write the momentum and the params
     offsets = [0] * world
     for u, unit in enumerate(units):
-        if not present[u] or (rank not in unit.members and rank not in unit.receivers):
+        if not present[u] or u not in mine or unit.owner == rank:
             continue
-        piece = unit.piece_for(rank)
-        if unit.owner != rank:
-            n = piece_numel(piece) * NS_BYTES
-            src = back[unit.owner]
-            o = offsets[unit.owner]
-            results[u] = view_as(src[o : o + n], torch.bfloat16, (-1,))
-            if alias[u]:
-                after_alias[u] = view_as(src[o + n : o + 2 * n], torch.bfloat16, (-1,))
-            offsets[unit.owner] = o + n * (2 if alias[u] else 1)
-        i = mine[u]
-        p, g = params[i], groups[i]
-        local = p._local_tensor
+        n = piece_numel(unit.piece_for(rank)) * NS_BYTES
+        src, o = back[unit.owner], offsets[unit.owner]
+        results[u] = view_as(src[o : o + n], torch.bfloat16, (-1,))
         if alias[u]:
-            bufs[u].copy_(after_alias[u].to(local.device).view(bufs[u].shape))
-        lr = _to_scalar(g["lr"])
-        adjusted = _adjust_lr(lr, g["adjust_lr_fn"], p.shape)
-        local.mul_(1 - lr * g["weight_decay"])
+            after_alias[u] = view_as(src[o + n : o + 2 * n], torch.bfloat16, (-1,))
+        offsets[unit.owner] = o + n * (2 if alias[u] else 1)
+    for u, i in mine.items():
+        if not present[u]:
+            continue
+        p = params[i]
+        local = p._local_tensor
+        buf = new_bufs[u]
+        if alias[u]:
+            buf.copy_(after_alias[u].to(buf.device).view(buf.shape))
+        state = optimizer.state[p]
+        old = state.get("momentum_buffer")
+        if old is None:
+            state["momentum_buffer"] = in_layout_of(buf, p)
+        else:
+            (old._local_tensor if isinstance(old, DTensor) else old).copy_(buf)
+        decay, adjusted = scale[u]
+        local.mul_(decay)
         update = results[u].to(local.device).view(local.shape)
         if p.shape[0] > p.shape[1]:
             update = _as_torch_lays_out_tall(update)

@@ -6,13 +6,16 @@ longest-processing-time-first, and is identical on every rank. Muon's units span
 one unit per param instance, its owner chosen among ALL ranks of the param's mesh (so the
 Newton-Schulz work is split over every rank that holds a copy, about total / world size each),
 its ``members`` the owner's shard group (they send the input) and its ``receivers`` the ranks of
-the other replica groups (they get the result only). ``build_plan`` gathers the metas
-with one object all-gather and validates them (every rank raises the same error); ``muon_splits``
-gives the byte counts the Muon exchange uses, so a test can count traffic without running it.
+the other replica groups (they get the result only). ``build_plan`` gathers the metas with one
+object all-gather and validates them (every rank raises the same error), and gives the plan a
+digest of its units (names, layouts, owners) that every step agrees on before a byte moves;
+``muon_splits`` gives the byte counts the Muon exchange uses, so a test can count traffic
+without running it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,6 +30,7 @@ from ._pieces import Piece, PlacementKey, describe, piece_numel, piece_of
 __all__ = ["ParamMeta", "Unit", "WholeParamPlan", "build_plan", "muon_splits", "plan_units"]
 
 STATUS_BYTES = 8  # every message starts with the sender's int64 status word
+FLAG_ALIGN = 8  # Muon: a member's per-unit flag bytes to an owner, padded to this
 NS_BYTES = 2  # Newton-Schulz runs in bfloat16: its input and output travel as bfloat16
 
 
@@ -80,9 +84,22 @@ class WholeParamPlan:
     param_ids: tuple[int, ...]
     metas: tuple[ParamMeta, ...]
     slot: dict = field(default_factory=dict)  # the recipe's cached per-rank lists
+    digest: int = 0  # of the units, the same on every rank that built this plan together
+    broken: bool = False  # a step with this plan was refused: rebuild it (on every rank)
 
     def matches(self, params: Sequence[object], recipe: str) -> bool:
-        return recipe == self.recipe and tuple(map(id, params)) == self.param_ids
+        return (
+            not self.broken and recipe == self.recipe and tuple(map(id, params)) == self.param_ids
+        )
+
+
+def plan_digest(recipe: str, units: Sequence[Unit]) -> int:
+    """A non-negative 62-bit digest of the plan: every unit's param name, layout, members,
+    receivers and owner (what decides every size the exchanges use)."""
+    h = hashlib.blake2b(recipe.encode(), digest_size=8)
+    for u in units:
+        h.update(repr((u.meta, u.members, u.owner, u.receivers)).encode())
+    return int.from_bytes(h.digest(), "little") >> 2
 
 
 def cost_of(meta: ParamMeta, recipe: str) -> int:
@@ -242,6 +259,7 @@ def build_plan(
         local_units,
         tuple(map(id, params)),
         tuple(metas),
+        digest=plan_digest(recipe, units),
     )
 
 
@@ -254,33 +272,52 @@ def muon_splits(
 ) -> tuple[list[int], list[int], list[int], list[int]]:
     """Bytes ``rank`` sends to and receives from each rank on the Muon path: (send_in, recv_in,
     send_out, recv_out), status words included, self excluded (its pieces never travel).
-    ``present[i]``: unit i has grads this step (default all); ``alias[i]``: its Newton-Schulz
-    input is the momentum buffer itself, which comes back too (bfloat16 params, no nesterov).
-    The owner sends the result to its members and to the unit's receivers (other replicas)."""
+    Inward sizes depend on the plan alone (a member sends one flag byte per unit, padded to 8,
+    and its piece of every unit, zeros where it has no grad; a receiver its flags only), so they
+    are agreed with the plan;
+    outward sizes follow presence, which every rank of a param's mesh agrees on (the grad-stats
+    collective refuses a grad present on some of its ranks only): ``present[i]``: unit i has
+    grads this step (default all); ``alias[i]``: its Newton-Schulz input is the momentum buffer
+    itself, which comes back too (bfloat16 params, no nesterov). The owner sends the result to
+    its members and to the unit's receivers (the other replicas)."""
     send_in = [STATUS_BYTES] * world
     recv_in = [STATUS_BYTES] * world
     send_out = [STATUS_BYTES] * world
     recv_out = [STATUS_BYTES] * world
+    flags_to = [0] * world  # units this rank is a member of, per owner
+    flags_from = [0] * world  # units this rank owns, per member
     for i, u in enumerate(units):
-        if present is not None and not present[i]:
-            continue
+        here = present is None or present[i]
         back = 2 if alias is not None and alias[i] else 1
-        if rank in u.receivers:
-            recv_out[u.owner] += piece_numel(u.piece_for(rank)) * NS_BYTES * back
-            continue
-        if rank not in u.members:
-            continue
         if u.owner == rank:
             for member, piece in zip(u.members, u.pieces, strict=True):
                 if member != rank:
+                    flags_from[member] += 1
                     recv_in[member] += piece_numel(piece) * NS_BYTES
-                    send_out[member] += piece_numel(piece) * NS_BYTES * back
+                    if here:
+                        send_out[member] += piece_numel(piece) * NS_BYTES * back
             for receiver, piece in zip(u.receivers, u.receiver_pieces, strict=True):
-                send_out[receiver] += piece_numel(piece) * NS_BYTES * back
-        else:
+                flags_from[receiver] += 1  # a receiver sends its flags only
+                if here:
+                    send_out[receiver] += piece_numel(piece) * NS_BYTES * back
+        elif rank in u.members:
             n = piece_numel(u.pieces[u.members.index(rank)]) * NS_BYTES
+            flags_to[u.owner] += 1
             send_in[u.owner] += n
-            recv_out[u.owner] += n * back
+            if here:
+                recv_out[u.owner] += n * back
+        elif rank in u.receivers:
+            flags_to[u.owner] += 1
+            if here:
+                recv_out[u.owner] += piece_numel(u.piece_for(rank)) * NS_BYTES * back
+    for r in range(world):
+        send_in[r] += flag_bytes(flags_to[r])
+        recv_in[r] += flag_bytes(flags_from[r])
     for s in (send_in, recv_in, send_out, recv_out):
         s[rank] = 0
     return send_in, recv_in, send_out, recv_out
+
+
+def flag_bytes(count: int) -> int:
+    """Bytes of ``count`` one-byte flags, padded so the pieces after them stay aligned."""
+    return -(-count // FLAG_ALIGN) * FLAG_ALIGN
