@@ -252,3 +252,52 @@ def test_the_plan_meets_the_issue_targets(world, replicas):
         s_in, r_in, s_out, r_out = muon_splits(units, rank, world)
         assert sum(s_in) + sum(s_out) <= 1.1 * 2 * local, (rank, world, replicas)
         assert sum(r_in) + sum(r_out) <= 1.1 * 2 * local, (rank, world, replicas)
+
+
+def _rank_fail_with_receivers(specs, bad_rank):
+    import time
+
+    from torch.distributed.tensor import DTensor, Shard
+
+    from mfsdp_optim.optim._whole import step_whole_params
+
+    params = [
+        torch.nn.Parameter(build_grad(dataclasses.replace(s, seed=s.seed + 7))) for s in specs
+    ]
+    opt = torch.optim.Muon(params, lr=0.02)
+    plan = None
+    for step in range(2):
+        for p, s in zip(params, specs, strict=True):
+            p.grad = build_grad(dataclasses.replace(s, seed=s.seed + 100 * step), check=False)
+        if step == 1 and dist.get_rank() == bad_rank:
+            g = params[0].grad  # the same values claimed as Shard(1): a layout mismatch
+            params[0].grad = DTensor.from_local(
+                g.to_local(), g.device_mesh, [g.placements[0], Shard(1)], run_check=False,
+                shape=g.shape, stride=g.stride(),
+            )  # fmt: skip
+        before = [p._local_tensor.clone() for p in params]
+        t0 = time.monotonic()
+        try:
+            plan = step_whole_params(opt, params, plan_cache=plan)
+        except (ValueError, RuntimeError) as exc:
+            same = all(torch.equal(p._local_tensor, b) for p, b in zip(params, before, strict=True))
+            return step, type(exc).__name__, str(exc), time.monotonic() - t0, same
+    return None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("bad_rank", [0, 5])
+def test_a_failing_member_or_receiver_stops_every_replica(ranks, bad_rank):
+    # 4 replicas x 2 shards: every rank owns, sends input for and receives results of some
+    # matrices; one rank's local failure must reach the owners and every receiver
+    specs = [_spec((16, 8), (4, 2), [R, S0], seed=i, dtype="float32") for i in range(8)]
+    out = ranks(8).run(_rank_fail_with_receivers, specs, bad_rank)
+    for rank, result in enumerate(out):
+        assert result is not None, f"rank {rank} stepped through a failed step"
+        step, kind, msg, seconds, same = result
+        assert step == 1 and seconds < 10, (rank, step, seconds)
+        assert same, f"rank {rank}: a param changed on a refused step"
+        if rank == bad_rank:
+            assert kind == "ValueError" and "is not the param's" in msg, msg
+        else:
+            assert kind == "RuntimeError" and f"[{bad_rank}]" in msg, (rank, msg)

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["by_device", "by_device_dtype", "local_of"]
+__all__ = ["by_device", "by_device_dtype", "local_of", "pairs_by_device_dtype"]
 
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
@@ -30,6 +30,21 @@ def by_device_dtype(
             continue
         local = local_of(t)
         groups.setdefault((local.device, local.dtype), []).append(local)
+    return groups
+
+
+def pairs_by_device_dtype(
+    pairs: Iterable[tuple[torch.Tensor, torch.Tensor]],
+) -> dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """``(destination, source)`` pairs of local tensors grouped by the destination's
+    ``(device, dtype)``: two aligned lists per group, for a ``torch._foreach_copy_``."""
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]]
+    groups = {}
+    for dst, src in pairs:
+        d, s = local_of(dst), local_of(src)
+        dsts, srcs = groups.setdefault((d.device, d.dtype), ([], []))
+        dsts.append(d)
+        srcs.append(s)
     return groups
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .._infra.grouping import by_device
+from .._infra.grouping import by_device, pairs_by_device_dtype
 from .._infra.placement import in_layout_of
 from ..stats import BucketKey, Buckets, layout_of
 from ._slots import Slot
@@ -203,17 +203,14 @@ class Preparer:
             for s in slots:
                 s.work_grad = None
             return
-        pairs: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        pairs = []
         for s in slots:
             if s.saved_grad is not None and s.work_grad is not None:
-                d = s.saved_grad._local_tensor
-                dst, src = pairs.setdefault((d.device, d.dtype), ([], []))
-                dst.append(d)
-                src.append(s.work_grad._local_tensor)
+                pairs.append((s.saved_grad, s.work_grad))
             s.work_grad = None
             s.saved_grad = None
         self.any_cast = False
-        for dst, src in pairs.values():
+        for dst, src in pairs_by_device_dtype(pairs).values():
             torch._foreach_copy_(dst, src)
 
     def drop(self, slots: list[Slot]) -> None:
