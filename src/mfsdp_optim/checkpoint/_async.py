@@ -139,16 +139,15 @@ def background_group(group: dist.ProcessGroup | None, ranks: list[int]) -> dist.
 
 
 def _stager() -> Any:
-    """Where CUDA is: one stager for the process, its pinned host storages kept and reused by the
-    next save of the same tensors (pinning is slow, the copy into pinned memory fast). Elsewhere
-    a fresh one per save, so the copy is freed once written."""
+    """One stager for the process: its host storages are kept (weakly keyed by the storages they
+    copy, so they go when the state tensors go) and the next save of the same tensors copies into
+    them: no allocation, no first-touch page faults, and where CUDA is, no pinning (slow) but a
+    copy into pinned memory (fast)."""
     global _STAGER
     from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 
-    if not torch.cuda.is_available():
-        return StateDictStager()
     if _STAGER is None:
-        _STAGER = StateDictStager(pin_memory=True)
+        _STAGER = StateDictStager(pin_memory=torch.cuda.is_available())
     return _STAGER
 
 
