@@ -40,6 +40,13 @@ class SaveHandle:
     is written is the copy. The checkpoint appears under ``directory`` only once every rank's
     files are complete, exactly as with the synchronous save.
 
+    Made by ``save_checkpoint``, not by you.
+
+    Args:
+        directory: The absolute path the checkpoint is published under.
+        future: Completed by the background thread: the directory, or the save's error.
+        blocking_s: How long ``save_checkpoint`` blocked the caller (agreement and copy).
+
     Attributes:
         directory: The absolute path the checkpoint is published under.
         blocking_s: How long ``save_checkpoint`` blocked the caller (agreement and copy).
