@@ -265,7 +265,12 @@ def main():
     )
     args = ap.parse_args()
     t0 = time.perf_counter()
+    load0 = os.getloadavg()[0]
     res = run(args)
+    print(
+        f"load average (1 min) at the start {load0:.1f}, at the end {os.getloadavg()[0]:.1f}, "
+        f"on {os.cpu_count()} CPUs"
+    )
     sent = sorted({r["keyspace_sent"] for r in res.values()})
     print(
         f"{args.params} params of {args.rows * args.world}x{args.cols}, {args.world} gloo CPU "

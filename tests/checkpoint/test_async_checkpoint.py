@@ -375,3 +375,29 @@ def test_async_save_killed_at_any_stage(ranks, tmp_path, stage, who):
     else:
         assert not os.path.exists(os.path.join(step2, "mfsdp_complete.json"))
         assert all(o in ("IncompleteCheckpointError", "FileNotFoundError") for o in got2), got2
+
+
+def test_stage_copies_every_tensor_and_shares_nothing_mutable():
+    from mfsdp_optim.checkpoint._async import stage
+
+    live = {
+        "a": torch.arange(6.0).view(2, 3),
+        "b": {"bf16": torch.ones(4, dtype=torch.bfloat16), "step": torch.tensor(3)},
+        "c": [torch.zeros(0), (torch.full((2,), 5, dtype=torch.int64), "text")],
+        "d": {"plain": 1.5, "obj": {"nested": [1, 2]}},
+        "view": torch.arange(10.0)[::2],  # not contiguous
+    }
+    want = {
+        "a": live["a"].clone(),
+        "bf16": live["b"]["bf16"].clone(),
+        "view": live["view"].clone(),
+    }
+    got = stage(live)
+    for t in (live["a"], live["b"]["bf16"], live["b"]["step"], live["c"][1][0], live["view"]):
+        t.add_(1)  # training goes on
+    live["d"]["obj"]["nested"].append(3)
+    assert torch.equal(got["a"], want["a"]) and torch.equal(got["view"], want["view"])
+    assert torch.equal(got["b"]["bf16"], want["bf16"]) and got["b"]["bf16"].dtype == torch.bfloat16
+    assert got["b"]["step"].item() == 3 and got["b"]["step"].dim() == 0
+    assert got["c"][0].shape == (0,) and torch.equal(got["c"][1][0], torch.full((2,), 5))
+    assert got["c"][1][1] == "text" and got["d"] == {"plain": 1.5, "obj": {"nested": [1, 2]}}

@@ -1,7 +1,8 @@
 """mfsdp_optim.checkpoint: fsdp_dtensor optimizer state dicts that reshard, interoperate with
 torch's ``get_optimizer_state_dict`` layout and never half-load.
 
-Map: ``save_checkpoint`` / ``load_checkpoint`` crash-safe, verified whole checkpoints;
+Map: ``save_checkpoint`` / ``load_checkpoint`` crash-safe, verified whole checkpoints
+(``asynchronous=True``: a ``SaveHandle``, the write in the background);
 ``build_sharded_state_dict`` one rank's state dict (a ``ParamRecord`` per param) for
 ``dcp.save``/``dcp.load``, ``load_sharded_state_dict`` validates it and only then restores;
 ``prune_to_checkpoint`` fits a load target to an older format; ``to_torch_state_dict`` /
@@ -11,6 +12,7 @@ docs/concepts.md, "The checkpoint layer's calls". Layers it may import: ``_infra
 """
 
 from .._infra.params import ParamRecord
+from ._async import SaveHandle
 from ._build import KeyspaceError, build_sharded_state_dict
 from ._inspect import inspect_checkpoint
 from ._interop import from_torch_state_dict, to_torch_state_dict
@@ -45,6 +47,7 @@ __all__ = [
     "RankDisagreementError",
     "SafeFileSystemReader",
     "SafeLoadPlanner",
+    "SaveHandle",
     "StateDictMismatchError",
     "UnsafeCheckpointError",
     "build_sharded_state_dict",
