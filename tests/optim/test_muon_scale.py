@@ -300,4 +300,4 @@ def test_a_failing_member_or_receiver_stops_every_replica(ranks, bad_rank):
         if rank == bad_rank:
             assert kind == "ValueError" and "is not the param's" in msg, msg
         else:
-            assert kind == "RuntimeError" and f"[{bad_rank}]" in msg, (rank, msg)
+            assert kind == "RankFailedError" and f"rank {bad_rank} " in msg, (rank, msg)
