@@ -148,10 +148,11 @@ def muon_step(
                     from_member[m].append(u)
     member_flags: dict[tuple[int, int], int] = {}  # (unit, member) -> its flags
     offsets = [0] * world
+    heads = [received[m][: len(us)] for m, us in enumerate(from_member) if us]
+    got = torch.cat(heads).cpu().tolist() if heads else []  # every member's flags: ONE read
     for m, us in enumerate(from_member):
         if us:
-            got = received[m][: len(us)].tolist()
-            member_flags.update({(u, m): int(f) for u, f in zip(us, got, strict=True)})
+            member_flags.update({(u, m): int(got.pop(0)) for u in us})
             offsets[m] = flag_bytes(len(us))
     ok = error is None and not any(statuses)
     out: list[list[torch.Tensor]] = [[] for _ in range(world)]
