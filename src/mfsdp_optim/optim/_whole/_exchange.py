@@ -57,14 +57,12 @@ def exchange(
     dist.all_to_all_single(recv, send, out_sizes, send_sizes, group=group)
     TRAFFIC[(direction, "sent")] += sum(send_sizes)
     TRAFFIC[(direction, "received")] += sum(out_sizes)
-    parts_out, statuses = [], []
-    for piece, n in zip(recv.split(out_sizes), out_sizes, strict=True):
-        if n == 0:
-            parts_out.append(piece)
-            statuses.append(0)
-            continue
-        statuses.append(int(view_as(piece[:8].cpu(), torch.int64, (1,))[0]))
-        parts_out.append(piece[8:])
+    pieces = recv.split(out_sizes)
+    parts_out = [piece[8:] if n else piece for piece, n in zip(pieces, out_sizes, strict=True)]
+    words = [piece[:8] for piece, n in zip(pieces, out_sizes, strict=True) if n]
+    # every peer's status word in ONE host read (not one per peer)
+    read = view_as(torch.cat(words).cpu(), torch.int64, (-1,)).tolist() if words else []
+    statuses = [int(read.pop(0)) if n else 0 for n in out_sizes]
     return parts_out, statuses
 
 

@@ -161,10 +161,15 @@ def muon_step(
                     from_peer[m].append(u)
     peer_flags: dict[tuple[int, int], int] = {}  # (unit, member or receiver) -> its flags
     offsets = [0] * world
+    heads = [received[m][: len(us)] for m, us in enumerate(from_peer) if us]
+    got = torch.cat(heads).cpu().tolist() if heads else []  # every peer's flags: ONE read
+    at = 0
     for m, us in enumerate(from_peer):
         if us:
-            got = received[m][: len(us)].tolist()
-            peer_flags.update({(u, m): int(f) for u, f in zip(us, got, strict=True)})
+            peer_flags.update(
+                {(u, m): int(f) for u, f in zip(us, got[at : at + len(us)], strict=True)}
+            )
+            at += len(us)
             offsets[m] = flag_bytes(len(us))
     ok = error is None and not any(statuses)
     fulls: dict[int, torch.Tensor] = {}
