@@ -401,3 +401,25 @@ def test_stage_copies_every_tensor_and_shares_nothing_mutable():
     assert got["b"]["step"].item() == 3 and got["b"]["step"].dim() == 0
     assert got["c"][0].shape == (0,) and torch.equal(got["c"][1][0], torch.full((2,), 5))
     assert got["c"][1][1] == "text" and got["d"] == {"plain": 1.5, "obj": {"nested": [1, 2]}}
+
+
+def test_async_save_in_one_process_without_a_process_group(tmp_path):
+    import warnings
+
+    path = str(tmp_path / "one")
+    state = {"w": {"exp_avg": torch.ones(4)}}
+    sd = {"optimizer": {"state": state, "param_to_group_meta": {"w": {"lr": 0.1}}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: "assuming the intent is to save in a single..."
+        handle = save_checkpoint(sd, path, asynchronous=True)
+        state["w"]["exp_avg"].add_(5.0)
+        assert handle.wait(timeout=60) == path and handle.done()
+        target = {
+            "optimizer": {
+                "state": {"w": {"exp_avg": torch.zeros(4)}},
+                "param_to_group_meta": {"w": {"lr": 0.0}},
+            }
+        }
+        load_checkpoint(target, path)
+    assert torch.equal(target["optimizer"]["state"]["w"]["exp_avg"], torch.ones(4))
+    assert target["optimizer"]["param_to_group_meta"]["w"]["lr"] == 0.1

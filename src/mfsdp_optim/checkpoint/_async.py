@@ -262,7 +262,7 @@ def start(
     directory: str,
     staged: dict[str, Any],
     writer: Any,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | None,
     finish: Callable[[BaseException | None], str],
     blocking_t0: float,
 ) -> SaveHandle:

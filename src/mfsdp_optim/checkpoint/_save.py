@@ -194,7 +194,9 @@ def save_checkpoint(
                 agreed(failed, process_group),
                 f"could not copy the state to save into {final} (nothing written)",
             )
-            group = _async.background_group(process_group, ranks)
+            # the background's collectives on a gloo group of their own (none in one process)
+            distributed = dist_info(process_group)[2]
+            group = _async.background_group(process_group, ranks) if distributed else None
     except BaseException:
         if created:  # rank 0's empty staging directory: leave nothing behind
             shutil.rmtree(staging, ignore_errors=True)
