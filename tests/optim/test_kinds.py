@@ -181,7 +181,7 @@ def test_update_kinds_validation():
     with pytest.raises(
         ValueError,
         match=r"update_kinds\[NormSGD\] is 'whole'; it must be one of "
-        r"\['elementwise', 'whole_param'\]",
+        r"\['elementwise', 'whole_param', 'cross_param'\]",
     ):
         OptimizerConfig(update_kinds={NormSGD: "whole"})
     with pytest.raises(ValueError, match=r"update_kinds\[SignSGD\] is None"):

@@ -1,0 +1,54 @@
+"""Third-party optimizer classes whose update kind is verified: data only, no import.
+
+``REGISTRY[(module, qualname)] = (kind, why)``, matched against ``cls.__module__`` and
+``cls.__qualname__`` of the class and its bases (``_kinds.kind_of``), so the libraries are never
+imported by this package. Every entry is justified by the conformance test
+(``tests/optim/test_conformance.py``; the whole run: ``nox -s conformance``), which steps the
+class under the wrapper on three layouts against the same class on the unsharded params fed the
+very same grads: an ``elementwise`` entry is exact on local shards, a ``whole_param`` one on
+whole params; a ``cross_param`` entry differs between one instance over all params and one per
+param in plain torch (or is known to read across params), and is refused at construction;
+``refused`` entries are refused for the reason given. Versions checked: pytorch-optimizer
+4.1.0, lion-pytorch 0.2.5, torchao 0.18.0 (``docs/optimizers.md`` has the table).
+"""
+
+from __future__ import annotations
+
+__all__ = ["REFUSED", "REGISTRY"]
+
+REFUSED = "refused"
+
+_PO = "pytorch_optimizer.optimizer."
+
+_CROSS = {
+    # (module, class): what it reads across params
+    (_PO + "prodigy", "Prodigy"): "Prodigy's step size d sums over every param",
+    (_PO + "dadapt", "DAdaptAdaGrad"): "D-Adaptation's d sums over every param",
+    (_PO + "dadapt", "DAdaptAdam"): "D-Adaptation's d sums over every param",
+    (_PO + "dadapt", "DAdaptAdan"): "D-Adaptation's d sums over every param",
+    (_PO + "dadapt", "DAdaptLion"): "D-Adaptation's d sums over every param",
+    (_PO + "dadapt", "DAdaptSGD"): "D-Adaptation's d sums over every param",
+    (_PO + "adams", "AdamS"): "its denominator averages the second moments of every param",
+    (_PO + "avagrad", "AvaGrad"): "its step size normalises over every param",
+    (_PO + "adai", "Adai"): "its beta0 averages the second moments of every param",
+    (_PO + "sgd", "ASGD"): "its adaptive step reads the norms of every param",
+    (_PO + "lora_rite", "LoRARite"): "it steps LoRA factors as pairs of params",
+}
+
+_REFUSED = {
+    (_PO + "magma", "Magma"): (
+        "it keeps per-param state keyed by id(param) outside optimizer.state (the wrapper cannot "
+        "carry it to the rank that steps a whole param) and draws random numbers in its step"
+    ),
+}
+
+# filled from the conformance run (scripts/conformance_table.py): exact on every layout
+_ELEMENTWISE: dict[tuple[str, str], str] = {}
+_WHOLE: dict[tuple[str, str], str] = {}
+
+REGISTRY: dict[tuple[str, str], tuple[str, str]] = {
+    **{k: ("elementwise", why) for k, why in _ELEMENTWISE.items()},
+    **{k: ("whole_param", why) for k, why in _WHOLE.items()},
+    **{k: ("cross_param", why) for k, why in _CROSS.items()},
+    **{k: (REFUSED, why) for k, why in _REFUSED.items()},
+}
