@@ -166,17 +166,29 @@ def trial(
         for p in params0
     ]
     seen: list[list[torch.Tensor]] = []
-    config = OptimizerConfig(update_kinds={cls: kind} if kind else {})
+
+    def agreed(failure: str | None) -> str | None:
+        # every rank learns whether any raised, before the next collective: a rank that raised
+        # alone must not leave the others waiting (the package's own fault handling is tested
+        # elsewhere; this keeps a trial of a class that fails on some ranks from hanging)
+        flag = torch.tensor([0 if failure is None else 1])
+        dist.all_reduce(flag)
+        return failure or ("another rank raised" if int(flag) else None)
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        failure: str | None = None
         try:
             torch.manual_seed(seed)
+            config = OptimizerConfig(update_kinds={cls: kind} if kind else {})
             opt = FullyShardedOptimizer(cls(params, **kwargs), config)
         except Exception as exc:  # noqa: BLE001 - reported
-            return {"refused": _short(exc)}
-        used = opt._engines[0].kind if hasattr(opt, "_engines") else kind
-        try:
-            for step_grads in grads:
+            failure = _short(exc)
+        if agreed(failure) is not None:
+            return {"refused": failure or "another rank refused it"}
+        used = opt._engines[0].kind
+        for step_grads in grads:
+            try:
                 for p, g in zip(params, step_grads, strict=True):
                     p.grad = distribute_tensor(g.clone(), mesh, placements, src_data_rank=None)
                 seen.append([p.grad.full_tensor() for p in params])  # type: ignore[union-attr]
@@ -184,16 +196,11 @@ def trial(
                 if not ok:
                     raise RuntimeError("the step was skipped")
                 opt.zero_grad()
-        except Exception as exc:  # noqa: BLE001 - reported
-            failure: str | None = _short(exc)
-        else:
-            failure = None
-    # agree before the next collective: a rank that raised alone must not leave the others in
-    # full_tensor() (the package's own fault handling is tested elsewhere)
-    flag = torch.tensor([0 if failure is None else 1])
-    dist.all_reduce(flag)
-    if int(flag) or failure is not None:
-        return {"error": failure or "another rank raised", "kind": used}
+            except Exception as exc:  # noqa: BLE001 - reported
+                failure = _short(exc)
+            failure = agreed(failure)
+            if failure is not None:
+                return {"error": failure, "kind": used}
     got = [p.detach().full_tensor() for p in params]  # type: ignore[attr-defined]
     try:
         with warnings.catch_warnings():

@@ -1,0 +1,185 @@
+"""The third-party conformance run: every optimizer class of pytorch-optimizer's
+``get_supported_optimizers()``, lion-pytorch's Lion and torchao's low-bit AdamW under the
+wrapper on 4 CPU gloo ranks, on three layouts, against the same class on the unsharded params
+fed the very same grads (``mfsdp_optim.optim._classify.trial``).
+
+    python scripts/conformance.py            # the whole run: docs/conformance.json + the table
+    python scripts/conformance.py --kinds    # also each class on local shards and whole params
+                                             # (the evidence behind _registry.py's entries)
+    python scripts/conformance.py --render   # the table in docs/optimizers.md from the json
+
+``nox -s conformance`` runs the first. The table in docs/optimizers.md is rendered from the json
+(``tests/optim/test_conformance.py`` checks that it matches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+JSON = ROOT / "docs" / "conformance.json"
+DOC = ROOT / "docs" / "optimizers.md"
+START, END = "<!-- conformance:start -->", "<!-- conformance:end -->"
+STEPS = 5
+# constructor arguments besides lr for classes that require them
+EXTRA = {
+    "ranger21": {"num_iterations": 100},
+    "bsam": {"num_data": 10},
+}
+
+
+def targets() -> list[tuple[str, str, dict]]:
+    """(row name, "module:Class", kwargs) of every class of the installed libraries."""
+    out = []
+    try:
+        import pytorch_optimizer as po
+
+        for name in po.get_supported_optimizers():
+            cls = po.load_optimizer(name)
+            out.append((name, f"{cls.__module__}:{cls.__qualname__}", {"lr": 1e-2, **EXTRA.get(name, {})}))
+    except ImportError:
+        pass
+    try:
+        import lion_pytorch
+
+        out.append(("lion-pytorch Lion", f"{lion_pytorch.Lion.__module__}:Lion", {"lr": 1e-3}))
+    except ImportError:
+        pass
+    try:
+        import torchao.optim as ao
+
+        for name in ("AdamW8bit", "AdamW4bit", "AdamWFp8"):
+            if hasattr(ao, name):
+                cls = getattr(ao, name)
+                out.append((f"torchao {name}", f"{cls.__module__}:{cls.__qualname__}", {"lr": 1e-3}))
+    except ImportError:
+        pass
+    return out
+
+
+def run_one(pool, target: str, kwargs: dict, kinds: tuple) -> dict:
+    """One class: the single-process references, then each kind on each layout."""
+    from mfsdp_optim.optim._classify import LAYOUTS, load_class, references, trial
+
+    cls = load_class(target)
+    row: dict = {"references": references(cls, kwargs, STEPS)}
+    if not row["references"].get("runs"):
+        return row
+    for kind in kinds:
+        row[kind or "package"] = {}
+        for layout in LAYOUTS:
+            try:
+                got = pool.run(trial, target, kwargs, layout, STEPS, kind, timeout=120)
+                row[kind or "package"][layout] = got[0]
+            except Exception as exc:  # noqa: BLE001 - a hang or a crash is a result too
+                from _ranks import get_pool
+
+                row[kind or "package"][layout] = {"error": "hang or crash: " + str(exc)[:200]}
+                pool = get_pool(4)
+    return row
+
+
+def verdict(row: dict) -> tuple[str, str]:
+    """(how the package steps it, the result) for the table."""
+    refs = row["references"]
+    if not refs.get("runs"):
+        return "-", "plain torch raises with lr only: " + refs["error"][:90]
+    runs = row.get("package", {})
+    refused = [r["refused"] for r in runs.values() if "refused" in r]
+    if refused:
+        return "refused", refused[0].split(":", 1)[-1].strip()[:120]
+    kinds = {r.get("kind") for r in runs.values()}
+    kind = "/".join(sorted(k for k in kinds if k))
+    if refs.get("random"):
+        return kind, "draws random numbers: not comparable with one unsharded run"
+    errors = [r["error"] for r in runs.values() if "error" in r]
+    if errors:
+        return kind, "raises: " + errors[0][:100]
+    if all(r.get("exact") for r in runs.values()):
+        return kind, "bit for bit on every layout"
+    worst = max(r.get("max_diff", 0.0) for r in runs.values())
+    return kind, f"DIFFERS (max abs diff {worst:.2g})"
+
+
+def render(data: dict) -> str:
+    lines = [
+        START,
+        f"Last run: {data['date']}, {data['versions']}, {data['steps']} steps on each of "
+        f"{', '.join(data['layouts'])} ({data['seconds']:.0f} s on {data['cores']} cores).",
+        "",
+        "| class | stepped as | result |",
+        "| --- | --- | --- |",
+    ]
+    for name, row in data["rows"].items():
+        kind, result = verdict(row)
+        lines.append(f"| {name} | {kind} | {result.replace('|', '/')} |")
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def write_doc(data: dict) -> None:
+    text = DOC.read_text()
+    head, _, rest = text.partition(START)
+    _, _, tail = rest.partition(END)
+    DOC.write_text(head + render(data) + tail)
+
+
+def main() -> int:
+    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "src"))
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kinds", action="store_true")
+    parser.add_argument("--render", action="store_true")
+    parser.add_argument("--only", default="", help="comma-separated row names")
+    args = parser.parse_args()
+    if args.render:
+        write_doc(json.loads(JSON.read_text()))
+        return 0
+    import os
+
+    import torch
+    from _ranks import get_pool
+
+    from mfsdp_optim.optim._classify import LAYOUTS
+
+    kinds = (None, "elementwise", "whole_param") if args.kinds else (None,)
+    pool = get_pool(4)
+    rows = {}
+    start = time.monotonic()
+    only = set(filter(None, args.only.split(",")))
+    for name, target, kwargs in targets():
+        if only and name not in only:
+            continue
+        t = time.monotonic()
+        rows[name] = {"target": target, "kwargs": kwargs, **run_one(pool, target, kwargs, kinds)}
+        print(f"{name}: {verdict(rows[name])} ({time.monotonic() - t:.1f} s)", flush=True)
+    versions = [f"torch {torch.__version__}"]
+    for mod in ("pytorch_optimizer", "lion_pytorch", "torchao"):
+        try:
+            from importlib.metadata import version
+
+            versions.append(f"{mod.replace('_', '-')} {version(mod.replace('_', '-'))}")
+        except Exception:  # noqa: BLE001
+            versions.append(f"{mod} missing")
+    data = {
+        "date": datetime.date.today().isoformat(),
+        "versions": ", ".join(versions),
+        "steps": STEPS,
+        "layouts": list(LAYOUTS),
+        "seconds": time.monotonic() - start,
+        "cores": os.cpu_count(),
+        "rows": rows,
+    }
+    if not only:
+        JSON.write_text(json.dumps(data, indent=1, sort_keys=False, default=str) + "\n")
+        write_doc(data)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
