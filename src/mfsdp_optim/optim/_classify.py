@@ -136,6 +136,13 @@ def references(cls: type, kwargs: Mapping[str, Any], steps: int) -> dict[str, An
     }
 
 
+def _layout_mesh(layout: str):
+    """The DeviceMesh of ``layout`` over the 4 CPU ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", LAYOUTS[layout][0])
+
+
 def trial(
     target: str | type,
     kwargs: Mapping[str, Any],
@@ -213,9 +220,16 @@ def trial(
 
 @dataclass
 class Classification:
-    """What ``classify_update`` found: ``kind`` (``"elementwise"``, ``"whole_param"`` or
-    ``"cross_param"``; None when the class does not run with these arguments), ``treated``
-    (the kind the package uses for the class today) and the evidence behind both."""
+    """What ``classify_update`` found; ``str()`` of it is the report the CLI prints.
+
+    Attributes:
+        target: The class as ``"package.module:Class"``.
+        kind: ``"elementwise"``, ``"whole_param"`` or ``"cross_param"``: the fastest kind the
+            evidence allows; None when the class does not run with these arguments.
+        treated: The kind the package steps the class as today (with ``declared``), None
+            where it refuses the class.
+        evidence: The single-process references and each sharded run, per kind and layout.
+    """
 
     target: str
     kind: str | None
@@ -257,15 +271,17 @@ class Classification:
         return "\n".join(lines)
 
 
-def _treated(cls: type, kwargs: Mapping[str, Any], declared: Mapping[type, str]) -> str | None:
-    from ._kinds import kind_of
+def _treated(cls: type, declared: Mapping[type, str]) -> str | None:
+    """The kind ``kind_of`` gives ``cls`` (None: refused), without building it or warning."""
+    from ._kinds import CROSS_PARAM, WHOLE_PARAM, known_kind
 
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return kind_of(cls([torch.nn.Parameter(torch.zeros(2, 2))], **kwargs), declared)
-    except (ValueError, TypeError):
+        kind = declared.get(cls) or getattr(cls, "mfsdp_update_kind", None) or known_kind(cls)
+    except ValueError:
         return None
+    if kind is None:
+        return WHOLE_PARAM  # unknown: the exact whole-param path, with a warning
+    return None if kind == CROSS_PARAM else kind
 
 
 def decide(
@@ -339,7 +355,9 @@ def classify_update(
         raise ValueError(f"unknown layouts {unknown}; choose from {list(LAYOUTS)}")
     refs = references(klass, kwargs, steps)
     evidence: dict[str, Any] = {"references": refs, "steps": steps}
-    if refs.get("runs"):
+    # a class that reads across params or draws random numbers is cross_param whatever the
+    # sharded runs show: they are skipped
+    if refs.get("runs") and not (refs.get("random") or refs.get("cross_param")):
         with tempfile.TemporaryDirectory(prefix="mfsdp_classify_") as tmp:
             out = os.path.join(tmp, "out.pkl")
             mp.start_processes(
@@ -357,8 +375,40 @@ def classify_update(
             )
             with open(out, "rb") as f:
                 evidence.update(pickle.load(f))
-    kind = decide(refs, evidence)
-    return Classification(_target(klass), kind, _treated(klass, kwargs, declared or {}), evidence)
+    return _classification(klass, kwargs, evidence, declared)
+
+
+def _classification(
+    klass: type,
+    kwargs: Mapping[str, Any],
+    evidence: dict[str, Any],
+    declared: Mapping[type, str] | None,
+) -> Classification:
+    kind = decide(evidence["references"], evidence)
+    return Classification(_target(klass), kind, _treated(klass, declared or {}), evidence)
+
+
+def classify_with(
+    run: Callable[[str, Mapping[str, Any], str, int, str], dict[str, Any]],
+    cls: type | str,
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    steps: int = DEFAULT_STEPS,
+    layouts: Sequence[str] = tuple(LAYOUTS),
+    declared: Mapping[type, str] | None = None,
+) -> Classification:
+    """``classify_update`` with the sharded runs made by ``run(target, kwargs, layout, steps,
+    kind)`` (rank 0's ``trial`` result), e.g. on ranks that already exist (the test suite's)."""
+    klass = load_class(cls)
+    kwargs = dict(kwargs or {})
+    refs = references(klass, kwargs, steps)
+    evidence: dict[str, Any] = {"references": refs, "steps": steps}
+    if refs.get("runs") and not (refs.get("random") or refs.get("cross_param")):
+        for kind in ("elementwise", "whole_param"):
+            evidence[kind] = {n: run(_target(klass), kwargs, n, steps, kind) for n in layouts}
+            if all(r.get("exact") for r in evidence[kind].values()):
+                break
+    return _classification(klass, kwargs, evidence, declared)
 
 
 def main(argv: Sequence[str] | None = None, echo: Callable[[str], None] = print) -> int:
