@@ -163,3 +163,20 @@ def test_registry_entries_name_real_classes():
             continue
         cls = getattr(mod, name, None)
         assert isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer), (module, name)
+
+
+def test_registered_classes_with_changed_options_take_the_whole_param_path():
+    """AdaBelief is registered elementwise with its default options; ``adanorm=True`` reads
+    each grad's norm, so the package steps it on whole params and says why."""
+    import warnings
+
+    from mfsdp_optim.optim._kinds import kind_of
+
+    cls = po.load_optimizer("adabelief")
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    assert kind_of(cls([p], lr=1e-3, weight_decay=0.1, betas=(0.8, 0.9)), {}) == "elementwise"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert kind_of(cls([p], adanorm=True), {}) == "whole_param"
+    notes = [str(w.message) for w in caught]
+    assert any("AdaBelief is registered as elementwise" in n and "adanorm" in n for n in notes)

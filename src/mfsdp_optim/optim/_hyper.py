@@ -94,18 +94,18 @@ def _is_inf(default: Any) -> bool:
     return x is not None and math.isinf(x)
 
 
-def _beta_limit(defaults: dict[str, Any], j: int) -> float:
-    """The largest beta allowed at index ``j``: below 1, or up to the class's own default
-    where that is 1 or more (PNM's ``betas=(0.9, 1.0)``)."""
+def _beta_limit(defaults: dict[str, Any], j: int) -> float | None:
+    """The largest beta allowed at index ``j``: None (below 1), or the class's own default
+    where that is 1 or more (PNM's ``betas=(0.9, 1.0)``), inclusive."""
     default = defaults.get("betas")
     if isinstance(default, (tuple, list)) and j < len(default):
         try:
             x = _number(default[j])
         except TypeError:
-            return 1.0
+            return None
         if x is not None and x >= 1.0:
             return x
-    return 1.0
+    return None
 
 
 def check_param_groups(
@@ -143,6 +143,6 @@ def check_param_groups(
                 _check(where, b, 0.0, fix)
                 x = _number(b)
                 limit = _beta_limit(defaults, j)
-                if x is not None and not (x < 1.0 or x <= limit):
-                    span = "[0, 1)" if limit == 1.0 else f"[0, {limit:g}] (the class's default)"
+                if x is not None and not (x < 1.0 or (limit is not None and x <= limit)):
+                    span = "[0, 1)" if limit is None else f"[0, {limit:g}] (the class's default)"
                     raise ValueError(f"{where} is {x}: it must be in {span}. {fix}")

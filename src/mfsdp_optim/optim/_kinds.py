@@ -189,10 +189,83 @@ def kind_of(optimizer: torch.optim.Optimizer, declared: Mapping[type, str]) -> s
                 _warn_unknown(cls)
                 return WHOLE_PARAM
             kind = known
+            if kind == ELEMENTWISE and _registered(cls) is not None:
+                changed = _options_changed(optimizer)
+                if changed:
+                    _warn_options(cls, changed)
+                    return WHOLE_PARAM
     if kind == CROSS_PARAM:
         registered = _registered(cls)
         raise _refuse_cross_param(cls, registered[1] if registered else "declared so")
     return kind
+
+
+# options of third-party classes that keep an elementwise update elementwise; any other
+# constructor option changed from its default (AdaNorm's ``adanorm``, gradient centralisation,
+# a projection ``rank``, ...) may read whole params, which the registry's evidence did not cover
+_TUNING = frozenset(
+    (
+        "lr",
+        "weight_decay",
+        "betas",
+        "eps",
+        "momentum",
+        "dampening",
+        "nesterov",
+        "foreach",
+        "maximize",
+        "weight_decouple",
+        "fixed_decay",
+        "amsgrad",
+        "differentiable",
+        "capturable",
+        "fused",
+        "params",
+        # written by the class's step or by an lr scheduler, not options
+        "step",
+        "initial_lr",
+    )
+)
+
+
+def _options_changed(optimizer: torch.optim.Optimizer) -> list[str]:
+    """The constructor options of ``optimizer`` that differ from the class's defaults, outside
+    ``_TUNING`` (read from its groups and ``defaults``)."""
+    import inspect
+
+    try:
+        sig = inspect.signature(type(optimizer).__init__)
+    except (TypeError, ValueError):
+        return ["<signature unreadable>"]
+    # an option the signature does not name (taken through **kwargs, e.g. AdaBelief's adanorm)
+    named = set(sig.parameters)
+    changed = sorted({k for g in optimizer.param_groups for k in g if k not in named} - _TUNING)
+    for name, param in sig.parameters.items():
+        if name in _TUNING or param.default is inspect.Parameter.empty:
+            continue
+        values = [g[name] for g in optimizer.param_groups if name in g]
+        if name in optimizer.defaults:
+            values.append(optimizer.defaults[name])
+        elif not values:
+            values = [getattr(optimizer, name)] if hasattr(optimizer, name) else []
+        try:
+            if any(not (v is param.default or v == param.default) for v in values):
+                changed.append(name)
+        except Exception:  # noqa: BLE001 - an option without a plain ==
+            changed.append(name)
+    return changed
+
+
+def _warn_options(cls: type, changed: list[str]) -> None:
+    warnings.warn(
+        f"{cls.__qualname__} is registered as elementwise with its default options; with "
+        f"{', '.join(changed)} changed its update may read whole params, so mfsdp_optim steps "
+        "it on whole params (exact, with one exchange per step). If it stays elementwise, "
+        f"check with `python -m mfsdp_optim.optim classify` and declare it: "
+        f"OptimizerConfig(update_kinds={{{cls.__name__}: 'elementwise'}}).",
+        UserWarning,
+        stacklevel=5,
+    )
 
 
 def _warn_unknown(cls: type) -> None:

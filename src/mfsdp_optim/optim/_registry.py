@@ -14,7 +14,7 @@ param in plain torch (or is known to read across params), and is refused at cons
 
 from __future__ import annotations
 
-__all__ = ["REFUSED", "REGISTRY"]
+__all__ = ["NOT_REGISTERED", "REFUSED", "REGISTRY"]
 
 REFUSED = "refused"
 
@@ -42,8 +42,57 @@ _REFUSED = {
     ),
 }
 
-# filled from the conformance run (scripts/conformance_table.py): exact on every layout
-_ELEMENTWISE: dict[tuple[str, str], str] = {}
+# exact on local shards on every layout of the conformance run (scripts/conformance.py
+# --kinds), and no branch on shapes, norms, projections or factors in their source; with any
+# option outside the tuning ones changed from its default they take the whole-param path
+# (_kinds._options_changed)
+_ELEMENTWISE_NAMES = {
+    "sgd": ("AccSGD",),
+    "adabelief": ("AdaBelief",),
+    "adabound": ("AdaBound",),
+    "adadelta": ("AdaDelta",),
+    "adamax": ("AdaMax",),
+    "adamc": ("AdamC",),
+    "adamg": ("AdamG",),
+    "adamod": ("AdaMod",),
+    "adapnm": ("AdaPNM",),
+    "adashift": ("AdaShift",),
+    "adasmooth": ("AdaSmooth",),
+    "ademamix": ("AdEMAMix",),
+    "adopt": ("ADOPT",),
+    "aggmo": ("AggMo",),
+    "ano": ("Ano",),
+    "bcos": ("BCOS",),
+    "diffgrad": ("DiffGrad",),
+    "dual_adam": ("DualAdam",),
+    "emonavi": ("EmoLynx", "EmoNavi"),
+    "exadam": ("EXAdam",),
+    "focus": ("FOCUS",),
+    "ftrl": ("FTRL",),
+    "grams": ("Grams",),
+    "grokfast": ("GrokFastAdamW",),
+    "kate": ("Kate",),
+    "laprop": ("LaProp",),
+    "lion": ("Lion",),
+}
+_ELEMENTWISE: dict[tuple[str, str], str] = {
+    (_PO + module, name): "exact on local shards (conformance run)"
+    for module, names in _ELEMENTWISE_NAMES.items()
+    for name in names
+}
+# exact on local shards in the conformance run, but their source branches on shapes, norms,
+# projections or factor sizes beyond what the run's small params reach: left unknown (the
+# exact whole-param path, with a warning) rather than registered
+NOT_REGISTERED = {
+    "AdaGC": "clips each param by its own grad norm",
+    "AdamWSN": "subset norms over rows",
+    "Adan": "an optional clip by the norm over every param",
+    "AdaNorm": "reads each param's grad norm",
+    "APOLLO": "low-rank projection with a rank option",
+    "EmoFact": "factored moments for matrices",
+    "Fira": "low-rank projection with a rank option",
+    "GaLore": "low-rank projection with a rank option",
+}
 _WHOLE: dict[tuple[str, str], str] = {}
 
 REGISTRY: dict[tuple[str, str], tuple[str, str]] = {
