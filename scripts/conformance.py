@@ -112,6 +112,25 @@ def _whole_evidence(pool, row: dict) -> None:
             row["whole_param"] = extra["whole_param"]
 
 
+def _as_registered_now(row: dict) -> None:
+    """A class registered elementwise after its package column was run (on whole params, as
+    an unknown class then) gets its local-shard runs as the package column: the same trial
+    (the registry and a declaration both give the engine the elementwise kind), marked."""
+    from mfsdp_optim.optim._classify import load_class
+    from mfsdp_optim.optim._kinds import known_kind
+
+    package, local = row.get("package", {}), row.get("elementwise", {})
+    if not package or not local:
+        return
+    try:
+        kind = known_kind(load_class(row["target"]))
+    except (ValueError, ImportError, AttributeError):
+        return
+    if kind == "elementwise" and any(r.get("kind") != "elementwise" for r in package.values()):
+        row["package"] = {k: {**v, "kind": "elementwise"} for k, v in local.items()}
+        row["package_from"] = "the elementwise runs (registered after the package run)"
+
+
 def verdict(row: dict) -> tuple[str, str]:
     """(how the package steps it, the result) for the table."""
     refs = row["references"]
@@ -206,6 +225,8 @@ def main() -> int:
                     rows[name][kind] = old_rows[name][kind]
         print(f"{name}: {verdict(rows[name])} ({time.monotonic() - t:.1f} s)", flush=True)
         PARTIAL.write_text(json.dumps(rows, default=str) + "\n")
+    for row in rows.values():
+        _as_registered_now(row)
     versions = [f"torch {torch.__version__}"]
     for mod in ("pytorch_optimizer", "lion_pytorch", "torchao"):
         try:

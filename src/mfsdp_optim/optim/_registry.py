@@ -80,6 +80,11 @@ _ELEMENTWISE: dict[tuple[str, str], str] = {
     for module, names in _ELEMENTWISE_NAMES.items()
     for name in names
 }
+_ELEMENTWISE[("lion_pytorch.lion_pytorch", "Lion")] = "exact on local shards (conformance run)"
+for _name in ("AdamW8bit", "AdamW4bit", "AdamWFp8"):
+    # each rank quantizes its own local tensor in blocks (torchao's own FSDP2 behaviour): see
+    # docs/optimizers.md for what exact means for quantized state
+    _ELEMENTWISE[("torchao.optim.adam", _name)] = "exact on local shards below the quantizing size"
 # exact on local shards in the conformance run, but their source branches on shapes, norms,
 # projections or factor sizes beyond what the run's small params reach: left unknown (the
 # exact whole-param path, with a warning) rather than registered
