@@ -47,7 +47,6 @@ _REFUSED = {
 # option outside the tuning ones changed from its default they take the whole-param path
 # (_kinds._options_changed)
 _ELEMENTWISE_NAMES = {
-    "sgd": ("AccSGD",),
     "adabelief": ("AdaBelief",),
     "adabound": ("AdaBound",),
     "adadelta": ("AdaDelta",),
@@ -58,7 +57,6 @@ _ELEMENTWISE_NAMES = {
     "adapnm": ("AdaPNM",),
     "adashift": ("AdaShift",),
     "adasmooth": ("AdaSmooth",),
-    "ademamix": ("AdEMAMix",),
     "adopt": ("ADOPT",),
     "aggmo": ("AggMo",),
     "ano": ("Ano",),
@@ -74,6 +72,17 @@ _ELEMENTWISE_NAMES = {
     "kate": ("Kate",),
     "laprop": ("LaProp",),
     "lion": ("Lion",),
+    "padam": ("PAdam",),
+    "pid": ("PID",),
+    "pnm": ("PNM",),
+    "qhm": ("QHM",),
+    "radam": ("RAdam",),
+    "schedulefree": ("ScheduleFreeAdamW", "ScheduleFreeRAdam", "ScheduleFreeSGD"),
+    "sgd": ("AccSGD", "SGDW", "SignSGD", "VSGD"),
+    "ademamix": ("AdEMAMix", "SimplifiedAdEMAMix"),
+    "srmm": ("SRMM",),
+    "tiger": ("Tiger",),
+    "yogi": ("Yogi",),
 }
 _ELEMENTWISE: dict[tuple[str, str], str] = {
     (_PO + module, name): "exact on local shards (conformance run)"
@@ -97,6 +106,11 @@ NOT_REGISTERED = {
     "EmoFact": "factored moments for matrices",
     "Fira": "low-rank projection with a rank option",
     "GaLore": "low-rank projection with a rank option",
+    "MSVAG": "its source not yet read for shape branches",
+    "QHAdam": "its source not yet read for shape branches",
+    "SaRA": "a low-rank SVD of matrices",
+    "ScalableShampoo": "preconditioners of whole matrices past its start step",
+    "SWATS": "switches to SGD on a projection over the whole param",
 }
 _WHOLE: dict[tuple[str, str], str] = {}
 
