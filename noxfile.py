@@ -57,3 +57,21 @@ def docs(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("-e", ".[docs]")
     session.run("mkdocs", "build", "--strict")
+
+
+@nox.session
+def conformance(session: nox.Session) -> None:
+    """Every third-party class of the `thirdparty` extra under the wrapper on three layouts
+    (scripts/conformance.py --kinds): rewrites docs/conformance.json and the table in
+    docs/optimizers.md, then checks every row (tests/optim/test_conformance.py)."""
+    session.install(TORCH)
+    session.install("-e", ".[test,thirdparty]")
+    session.run("python", "scripts/conformance.py", "--kinds")
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "tests/optim/test_conformance.py",
+        "-q",
+        env={"MFSDP_CONFORMANCE": "1"},
+    )

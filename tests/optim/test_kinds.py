@@ -181,7 +181,7 @@ def test_update_kinds_validation():
     with pytest.raises(
         ValueError,
         match=r"update_kinds\[NormSGD\] is 'whole'; it must be one of "
-        r"\['elementwise', 'whole_param'\]",
+        r"\['elementwise', 'whole_param', 'cross_param'\]",
     ):
         OptimizerConfig(update_kinds={NormSGD: "whole"})
     with pytest.raises(ValueError, match=r"update_kinds\[SignSGD\] is None"):
@@ -520,3 +520,188 @@ def test_chain_refusals_point_to_optimizers(ranks):
         ), out
         assert out["groups"] == [1, 2]  # nothing was added
         assert out["stepped"] and out["stock_keys"] == ["w0", "w1", "w2", "w3"]
+
+
+# ---------------------------------------------------------------------------------------------
+# refusals at construction: subclasses of refused classes, declarations faster than known
+
+
+class _MyLBFGS(torch.optim.LBFGS):
+    pass
+
+
+class _MySparseAdam(torch.optim.SparseAdam):
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("cls", [_MyLBFGS, _MySparseAdam], ids=lambda c: c.__name__)
+def test_subclasses_of_refused_classes_are_refused(cls):
+    from mfsdp_optim.optim import FullyShardedOptimizer
+
+    with pytest.raises(
+        ValueError, match=rf"{cls.__name__} \(a (LBFGS|SparseAdam)\) cannot be wrapped"
+    ):
+        FullyShardedOptimizer(cls([torch.nn.Parameter(torch.zeros(2))], lr=0.1))
+
+
+@pytest.mark.parametrize(
+    ("cls", "kind", "says"),
+    [
+        (torch.optim.LBFGS, "whole_param", r"torch.optim.LBFGS cannot be wrapped"),
+        (torch.optim.SparseAdam, "elementwise", r"torch.optim.SparseAdam cannot be wrapped"),
+        (torch.optim.Muon, "elementwise", r"Muon's update is 'whole_param'"),
+        (torch.optim.Adafactor, "elementwise", r"Adafactor's update is 'whole_param'"),
+        (_MyLBFGS, "elementwise", r"_MyLBFGS \(a LBFGS\) cannot be wrapped"),
+    ],
+    ids=lambda x: getattr(x, "__name__", x),
+)
+def test_declarations_that_contradict_a_known_kind_are_refused(cls, kind, says):
+    from mfsdp_optim.optim import OptimizerConfig
+
+    with pytest.raises(
+        ValueError, match=rf"update_kinds\[{cls.__name__}\] is '{kind}', but {says}"
+    ):
+        OptimizerConfig(update_kinds={cls: kind})
+
+
+def test_safer_declarations_are_taken():
+    """A declaration may be slower than what is known (Adam on whole params: exact), and a
+    class declared cross_param is refused at construction, naming it."""
+    from mfsdp_optim.optim import FullyShardedOptimizer, OptimizerConfig
+
+    config = OptimizerConfig(update_kinds={torch.optim.Adam: "whole_param", NormSGD: "cross_param"})
+    assert config.update_kinds[torch.optim.Adam] == "whole_param"
+    with pytest.raises(ValueError, match=r"NormSGD cannot be wrapped: its update reads across"):
+        FullyShardedOptimizer(NormSGD([torch.nn.Parameter(torch.zeros(2))]), config)
+
+    class Declared(NormSGD):
+        mfsdp_update_kind = "cross_param"
+
+    with pytest.raises(ValueError, match=r"Declared cannot be wrapped: its update reads across"):
+        FullyShardedOptimizer(Declared([torch.nn.Parameter(torch.zeros(2))]))
+
+
+# ---------------------------------------------------------------------------------------------
+# the generic whole-param path carries any state a per-param class keeps
+
+
+class StatefulSGD(torch.optim.Optimizer):
+    """A per-param update whose state takes every form the generic path must carry: an
+    optimizer-level counter ``state["k"]`` (as pytorch-optimizer's MADGRAD keeps), a value it
+    writes into its group, a list and a dict holding param-shaped tensors, a scalar, a tensor
+    replaced (not updated in place) every step, and a plain param-shaped tensor made at
+    construction (as SPAM's masks). Reads the whole param (its norm), so it is not
+    elementwise."""
+
+    def __init__(self, params, lr: float = 0.1):
+        super().__init__(params, dict(lr=lr))
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["mask"] = torch.ones(p.shape) > 0  # plain, param-shaped
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if "k" not in self.state:
+            self.state["k"] = torch.zeros((), dtype=torch.long)
+        k = float(self.state["k"]) + 1
+        for group in self.param_groups:
+            group["t"] = group.get("t", 0) + 1
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if "buf" not in st:
+                    st["buf"] = torch.zeros_like(p)
+                    st["hist"] = [torch.zeros_like(p), 0]
+                    st["more"] = {"m": torch.zeros_like(p), "n": (1.5, None)}
+                st["buf"] = st["buf"] * 0.9 + p.grad  # replaced each step
+                st["hist"][0].add_(p.grad.square())
+                st["hist"][1] += 1
+                st["more"]["m"].lerp_(p.grad, 0.5)
+                norm = torch.linalg.vector_norm(st["buf"]).clamp(min=1e-12)
+                upd = st["buf"] / norm + st["more"]["m"] * 1e-2 + st["hist"][0] * 1e-3
+                upd = torch.where(st["mask"], upd, torch.zeros_like(upd))
+                p.sub_(upd * group["lr"] * (k + group["t"] * 0.1 + st["hist"][1] * 0.01))
+        self.state["k"].add_(1)
+
+
+def _rank_stateful(specs, steps):
+    from mfsdp_optim.optim import FullyShardedOptimizer, OptimizerConfig
+
+    params = _dparams(specs)
+    opt = FullyShardedOptimizer(
+        StatefulSGD(params, lr=LR), OptimizerConfig(update_kinds={StatefulSGD: "whole_param"})
+    )
+    for step in range(steps):
+        _set_grads(params, specs, step)
+        assert opt.step()[0]
+        opt.zero_grad()
+    base = opt.optimizers[0]
+    return (
+        [p.detach().full_tensor() for p in params],
+        int(base.state["k"]),
+        base.param_groups[0]["t"],
+        [base.state[p]["hist"][1] for p in params],
+    )
+
+
+@pytest.mark.parametrize("layout", ["1d-uneven-empty", "hsdp-2x2", "2d-shard-shard"])
+def test_generic_path_carries_every_kind_of_state(ranks, layout):
+    specs = LAYOUTS[layout]
+    steps = 4
+    ref = [torch.nn.Parameter(global_tensor(s, ()).clone()) for s in _seeded(specs, 1)]
+    ref_opt = StatefulSGD(ref, lr=LR)
+    for step in range(steps):
+        for p, s in zip(ref, _seeded(specs, 100 + step), strict=True):
+            p.grad = global_tensor(s, ()).clone()
+        ref_opt.step()
+    for rank, (params, k, t, counts) in enumerate(ranks(4).run(_rank_stateful, specs, steps)):
+        assert (k, t) == (steps, steps), (rank, k, t)
+        assert counts == [steps] * len(specs), (rank, counts)
+        for i, (got, want) in enumerate(zip(params, ref, strict=True)):
+            assert torch.equal(got, want.detach()), f"rank {rank}, param {i}: params differ"
+
+
+# ---------------------------------------------------------------------------------------------
+# Adafactor over a group mixing bf16 and fp32 params: eps1 from the group's first param
+
+
+def _rank_adafactor_mixed(specs, dtypes, steps):
+    from mfsdp_optim.optim import FullyShardedOptimizer
+
+    params = [
+        torch.nn.Parameter(p.to(getattr(torch, dt)))
+        for p, dt in zip(_dparams(specs), dtypes, strict=True)
+    ]
+    opt = FullyShardedOptimizer(torch.optim.Adafactor(params, lr=0.01))
+    for step in range(steps):
+        from _layouts import build_grad
+
+        for p, s in zip(params, _seeded(specs, 100 + step), strict=True):
+            g = build_grad(s, check=False)
+            g._local_tensor.mul_(1e-3)
+            p.grad = g.to(p.dtype)
+        assert opt.step()[0]
+        opt.zero_grad()
+    return [p.detach().full_tensor() for p in params]
+
+
+def test_adafactor_mixed_dtypes_take_eps1_from_the_whole_group(ranks):
+    """Stock torch takes eps1 (when ``eps=(None, ...)``) from the first param of the group; an
+    owner of a later fp32 param alone must use the bf16 eps too (0.025-0.054 off before)."""
+    specs = LAYOUTS["1d-uneven-empty"]
+    dtypes = ["bfloat16", "float32", "float32"]
+    steps = 3
+    ref = [
+        torch.nn.Parameter(global_tensor(s, ()).clone().to(getattr(torch, dt)))
+        for s, dt in zip(_seeded(specs, 1), dtypes, strict=True)
+    ]
+    ref_opt = torch.optim.Adafactor(ref, lr=0.01)
+    for step in range(steps):
+        for p, s in zip(ref, _seeded(specs, 100 + step), strict=True):
+            p.grad = (global_tensor(s, ()) * 1e-3).to(p.dtype)
+        ref_opt.step()
+    for rank, params in enumerate(ranks(4).run(_rank_adafactor_mixed, specs, dtypes, steps)):
+        for i, (got, want) in enumerate(zip(params, ref, strict=True)):
+            assert torch.equal(got, want.detach()), f"rank {rank}, param {i}: params differ"

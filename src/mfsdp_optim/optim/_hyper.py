@@ -44,13 +44,17 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
-def _check(where: str, value: Any, low: float, fix: str) -> None:
+def _check(where: str, value: Any, low: float, fix: str, infinite: bool = False) -> None:
+    """``infinite``: the class's own default for this key is infinite (Prodigy's
+    ``growth_rate``), so an infinite value is one it accepts; NaN never is."""
     try:
         x = _number(value)
     except TypeError:
         raise TypeError(
             f"{where} is {value!r} ({type(value).__name__}); it must be a number. {fix}"
         ) from None
+    if x is not None and infinite and math.isinf(x) and x >= low:
+        return
     if x is not None and not (math.isfinite(x) and x >= low):
         bound = f" >= {low:g}" if math.isfinite(low) else ""
         raise ValueError(f"{where} is {x}: it must be a finite number{bound}. {fix}")
@@ -67,7 +71,7 @@ def _check_like(where: str, value: Any, default: Any, low: float, fix: str) -> N
             )
         return
     if isinstance(default, (numbers.Real, torch.Tensor)):
-        _check(where, value, low, fix)
+        _check(where, value, low, fix, infinite=_is_inf(default))
         return
     if isinstance(default, tuple):
         if not isinstance(value, (tuple, list)) or len(value) != len(default):
@@ -80,6 +84,28 @@ def _check_like(where: str, value: Any, default: Any, low: float, fix: str) -> N
         return
     if isinstance(default, str) and not isinstance(value, str):
         raise TypeError(f"{where} is {value!r} ({type(value).__name__}); it must be a str. {fix}")
+
+
+def _is_inf(default: Any) -> bool:
+    try:
+        x = _number(default)
+    except TypeError:
+        return False
+    return x is not None and math.isinf(x)
+
+
+def _beta_limit(defaults: dict[str, Any], j: int) -> float | None:
+    """The largest beta allowed at index ``j``: None (below 1), or the class's own default
+    where that is 1 or more (PNM's ``betas=(0.9, 1.0)``), inclusive."""
+    default = defaults.get("betas")
+    if isinstance(default, (tuple, list)) and j < len(default):
+        try:
+            x = _number(default[j])
+        except TypeError:
+            return None
+        if x is not None and x >= 1.0:
+            return x
+    return None
 
 
 def check_param_groups(
@@ -111,8 +137,12 @@ def check_param_groups(
                     f"numbers in [0, 1). {fix}"
                 )
             for j, b in enumerate(betas):
+                if b is None:
+                    continue  # an optional beta (e.g. CAME's, Adafactor-style classes')
                 where = f"param_groups[{i}]['betas'][{j}]"
                 _check(where, b, 0.0, fix)
                 x = _number(b)
-                if x is not None and not x < 1.0:
-                    raise ValueError(f"{where} is {x}: it must be in [0, 1). {fix}")
+                limit = _beta_limit(defaults, j)
+                if x is not None and not (x < 1.0 or (limit is not None and x <= limit)):
+                    span = "[0, 1)" if limit is None else f"[0, {limit:g}] (the class's default)"
+                    raise ValueError(f"{where} is {x}: it must be in {span}. {fix}")

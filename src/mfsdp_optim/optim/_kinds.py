@@ -3,10 +3,14 @@
 ``elementwise``: every element's update reads only that element of the param, grad and state
 (torch's SGD, Adam, ...), so stepping local shards is exact. ``whole_param``: the update reads
 the whole param (torch's Muon, Adafactor); it is computed on whole params (``_whole``).
-``cross_param`` updates read across params (LBFGS) and are refused. ``kind_of`` decides, from
+``cross_param``: the update reads across params (LBFGS, Prodigy, the D-Adaptation family); the
+only exact way would gather every param onto one rank, which is what FSDP exists to avoid, so
+such classes are refused at construction, naming the class. ``kind_of`` decides, from
 ``OptimizerConfig.update_kinds``, then an ``mfsdp_update_kind`` attribute of the optimizer,
-then the classes below; a class it does not know takes the exact whole-param path, with one
-warning that says how to declare it elementwise.
+then torch's classes, then the registry of verified third-party classes (``_registry``); a
+class it does not know takes the exact whole-param path, with one warning that says how to
+find its kind (``classify_update``) and declare it. A declaration may be safer than what the
+package knows of a class (elementwise < whole_param < cross_param), never faster.
 """
 
 from __future__ import annotations
@@ -16,12 +20,15 @@ from collections.abc import Mapping
 
 import torch
 
+from ._registry import REFUSED, REGISTRY
+
 __all__ = ["CROSS_PARAM", "ELEMENTWISE", "KINDS", "WHOLE_PARAM", "check_update_kinds", "kind_of"]
 
 ELEMENTWISE = "elementwise"
 WHOLE_PARAM = "whole_param"
 CROSS_PARAM = "cross_param"
-KINDS = (ELEMENTWISE, WHOLE_PARAM)  # what a user may declare
+KINDS = (ELEMENTWISE, WHOLE_PARAM, CROSS_PARAM)  # what a user may declare
+_SAFETY = {ELEMENTWISE: 0, WHOLE_PARAM: 1, CROSS_PARAM: 2}
 
 _O = torch.optim
 _ELEMENTWISE_NAMES = (
@@ -56,9 +63,91 @@ def _unwrapped_step(cls: type) -> object:
     return step
 
 
+_REFUSED = {
+    "LBFGS": (
+        "its update reads across all params (one flat vector and line search over the whole "
+        "model), which sharded params cannot give it exactly. Use it on unsharded params, or "
+        "another optimizer."
+    ),
+    "SparseAdam": (
+        "it needs sparse grads, and FSDP2 params have dense DTensor grads. Use torch.optim.Adam(W)."
+    ),
+}
+
+
+def _refusal(cls: type) -> str | None:
+    """Why ``cls`` (or the torch class it derives from) cannot be wrapped, or None."""
+    for name, why in _REFUSED.items():
+        base = getattr(_O, name, None)
+        if base is not None and issubclass(cls, base):
+            what = f"torch.optim.{name}" if cls is base else f"{cls.__qualname__} (a {name})"
+            return f"{what} cannot be wrapped: {why}"
+    return None
+
+
+def _registered(cls: type) -> tuple[str, str] | None:
+    """(kind, why) of ``cls`` or the nearest registered class it derives from."""
+    for klass in cls.__mro__:
+        entry = REGISTRY.get((klass.__module__, klass.__qualname__))
+        if entry is not None:
+            kind, why = entry
+            # a subclass that overrides step() keeps a registered base's kind only if the base
+            # reads across params (or is refused): overriding never makes it safe
+            if (
+                klass is cls
+                or kind in (CROSS_PARAM, REFUSED)
+                or _unwrapped_step(cls) is _unwrapped_step(klass)
+            ):
+                return kind, why
+            return None
+    return None
+
+
+def known_kind(cls: type) -> str | None:
+    """What the package knows of ``cls`` without a declaration: a kind, or None (unknown).
+    Raises ValueError for refused classes."""
+    refusal = _refusal(cls)
+    if refusal is not None:
+        raise ValueError(refusal)
+    if cls in _torch_classes(_ELEMENTWISE_NAMES):
+        return ELEMENTWISE
+    if cls in _torch_classes(_WHOLE_PARAM_NAMES):
+        return WHOLE_PARAM
+    module = cls.__module__
+    if any(module.startswith(m) and cls.__name__ == n for m, n in _ACCELERATOR_ADAMS):
+        return ELEMENTWISE
+    registered = _registered(cls)
+    if registered is not None:
+        if registered[0] == REFUSED:
+            raise ValueError(f"{cls.__qualname__} cannot be wrapped: {registered[1]}.")
+        return registered[0]
+    # a subclass of a known class keeps its base's kind unless it overrides step()
+    for base in _torch_classes(_ELEMENTWISE_NAMES + _WHOLE_PARAM_NAMES):
+        if issubclass(cls, base) and _unwrapped_step(cls) is _unwrapped_step(base):
+            return ELEMENTWISE if base.__name__ in _ELEMENTWISE_NAMES else WHOLE_PARAM
+    return None
+
+
+def _check_declared(cls: type, kind: object, where: str) -> str:
+    """``kind`` validated for ``cls``: one of KINDS, and no faster than what is known."""
+    if kind not in KINDS:
+        raise ValueError(f"{where} is {kind!r}; it must be one of {list(KINDS)}")
+    try:
+        known = known_kind(cls)
+    except ValueError as exc:
+        raise ValueError(f"{where} is {kind!r}, but {exc}") from None
+    if known is not None and _SAFETY[kind] < _SAFETY[known]:  # type: ignore[index]
+        raise ValueError(
+            f"{where} is {kind!r}, but {cls.__qualname__}'s update is {known!r}: stepping it as "
+            f"{kind!r} would give a result that differs from the unsharded run. Drop the "
+            "declaration (or declare a safer kind)."
+        )
+    return kind  # type: ignore[return-value]
+
+
 def check_update_kinds(update_kinds: object) -> dict[type, str]:
     """``OptimizerConfig.update_kinds`` validated: ``{optimizer class: "elementwise" |
-    "whole_param"}``."""
+    "whole_param" | "cross_param"}``, none faster than the class's known kind."""
     if not isinstance(update_kinds, Mapping):
         raise TypeError(
             f"OptimizerConfig.update_kinds must be a mapping {{optimizer class: kind}}, got "
@@ -71,59 +160,125 @@ def check_update_kinds(update_kinds: object) -> dict[type, str]:
                 f"OptimizerConfig.update_kinds keys must be torch.optim.Optimizer classes, got "
                 f"{cls!r}"
             )
-        if kind not in KINDS:
-            raise ValueError(
-                f"OptimizerConfig.update_kinds[{cls.__name__}] is {kind!r}; it must be one of "
-                f"{list(KINDS)}"
-            )
-        out[cls] = kind
+        out[cls] = _check_declared(cls, kind, f"OptimizerConfig.update_kinds[{cls.__name__}]")
     return out
 
 
+def _refuse_cross_param(cls: type, why: str) -> ValueError:
+    return ValueError(
+        f"{cls.__qualname__} cannot be wrapped: its update reads across params ({why}), so "
+        "stepping each param's shards, or each param on one owner, differs from the unsharded "
+        "run; the only exact way would gather every param onto one rank. Use it on unsharded "
+        "params, or another optimizer."
+    )
+
+
 def kind_of(optimizer: torch.optim.Optimizer, declared: Mapping[type, str]) -> str:
-    """The update kind of ``optimizer``'s class (see the module docstring); raises for classes
-    that cannot be stepped exactly on sharded params."""
+    """The update kind of ``optimizer``'s class (see the module docstring); raises ValueError,
+    naming the class, for classes that cannot be stepped exactly on sharded params."""
     cls = type(optimizer)
     if cls in declared:
-        return declared[cls]
-    own = getattr(optimizer, "mfsdp_update_kind", None)
-    if own is not None:
-        if own not in KINDS:
-            raise ValueError(
-                f"{cls.__name__}.mfsdp_update_kind is {own!r}; it must be one of {list(KINDS)}"
-            )
-        return own
-    if cls is getattr(_O, "LBFGS", None):
-        raise ValueError(
-            "torch.optim.LBFGS cannot be wrapped: its update reads across all params (one flat "
-            "vector and line search over the whole model), which sharded params cannot give "
-            "it exactly. Use it on unsharded params, or another optimizer."
-        )
-    if cls is getattr(_O, "SparseAdam", None):
-        raise ValueError(
-            "torch.optim.SparseAdam cannot be wrapped: it needs sparse grads, and FSDP2 params "
-            "have dense DTensor grads. Use torch.optim.Adam(W)."
-        )
-    if cls in _torch_classes(_ELEMENTWISE_NAMES):
-        return ELEMENTWISE
-    if cls in _torch_classes(_WHOLE_PARAM_NAMES):
-        return WHOLE_PARAM
-    module = cls.__module__
-    if any(module.startswith(m) and cls.__name__ == n for m, n in _ACCELERATOR_ADAMS):
-        return ELEMENTWISE
-    # a subclass of a known class keeps its base's kind unless it overrides step()
-    for base in _torch_classes(_ELEMENTWISE_NAMES + _WHOLE_PARAM_NAMES):
-        if issubclass(cls, base) and _unwrapped_step(cls) is _unwrapped_step(base):
-            return ELEMENTWISE if base.__name__ in _ELEMENTWISE_NAMES else WHOLE_PARAM
-    if cls not in _warned:
-        _warned.add(cls)
-        warnings.warn(
-            f"mfsdp_optim does not know whether {cls.__qualname__}'s update reads whole params, "
-            "so it steps each param on the whole param (exact, with one exchange per step). If "
-            "every element's update reads only that element, declare it: "
-            f"OptimizerConfig(update_kinds={{{cls.__name__}: 'elementwise'}}) for the "
-            "local-shard step.",
-            UserWarning,
-            stacklevel=4,
-        )
-    return WHOLE_PARAM
+        kind = declared[cls]
+    else:
+        own = getattr(optimizer, "mfsdp_update_kind", None)
+        if own is not None:
+            kind = _check_declared(cls, own, f"{cls.__name__}.mfsdp_update_kind")
+        else:
+            known = known_kind(cls)  # raises for refused classes
+            if known is None:
+                _warn_unknown(cls)
+                return WHOLE_PARAM
+            kind = known
+            if kind == ELEMENTWISE and _registered(cls) is not None:
+                changed = _options_changed(optimizer)
+                if changed:
+                    _warn_options(cls, changed)
+                    return WHOLE_PARAM
+    if kind == CROSS_PARAM:
+        registered = _registered(cls)
+        raise _refuse_cross_param(cls, registered[1] if registered else "declared so")
+    return kind
+
+
+# options of third-party classes that keep an elementwise update elementwise; any other
+# constructor option changed from its default (AdaNorm's ``adanorm``, gradient centralisation,
+# a projection ``rank``, ...) may read whole params, which the registry's evidence did not cover
+_TUNING = frozenset(
+    (
+        "lr",
+        "weight_decay",
+        "betas",
+        "eps",
+        "momentum",
+        "dampening",
+        "nesterov",
+        "foreach",
+        "maximize",
+        "weight_decouple",
+        "fixed_decay",
+        "amsgrad",
+        "differentiable",
+        "capturable",
+        "fused",
+        "params",
+        # written by the class's step or by an lr scheduler, not options
+        "step",
+        "initial_lr",
+    )
+)
+
+
+def _options_changed(optimizer: torch.optim.Optimizer) -> list[str]:
+    """The constructor options of ``optimizer`` that differ from the class's defaults, outside
+    ``_TUNING`` (read from its groups and ``defaults``)."""
+    import inspect
+
+    try:
+        sig = inspect.signature(type(optimizer).__init__)
+    except (TypeError, ValueError):
+        return ["<signature unreadable>"]
+    # an option the signature does not name (taken through **kwargs, e.g. AdaBelief's adanorm)
+    named = set(sig.parameters)
+    changed = sorted({k for g in optimizer.param_groups for k in g if k not in named} - _TUNING)
+    for name, param in sig.parameters.items():
+        if name in _TUNING or param.default is inspect.Parameter.empty:
+            continue
+        values = [g[name] for g in optimizer.param_groups if name in g]
+        if name in optimizer.defaults:
+            values.append(optimizer.defaults[name])
+        elif not values:
+            values = [getattr(optimizer, name)] if hasattr(optimizer, name) else []
+        try:
+            if any(not (v is param.default or v == param.default) for v in values):
+                changed.append(name)
+        except Exception:  # noqa: BLE001 - an option without a plain ==
+            changed.append(name)
+    return changed
+
+
+def _warn_options(cls: type, changed: list[str]) -> None:
+    warnings.warn(
+        f"{cls.__qualname__} is registered as elementwise with its default options; with "
+        f"{', '.join(changed)} changed its update may read whole params, so mfsdp_optim steps "
+        "it on whole params (exact, with one exchange per step). If it stays elementwise, "
+        f"check with `python -m mfsdp_optim.optim classify` and declare it: "
+        f"OptimizerConfig(update_kinds={{{cls.__name__}: 'elementwise'}}).",
+        UserWarning,
+        stacklevel=5,
+    )
+
+
+def _warn_unknown(cls: type) -> None:
+    if cls in _warned:
+        return
+    _warned.add(cls)
+    warnings.warn(
+        f"mfsdp_optim does not know whether {cls.__qualname__}'s update reads whole params, so "
+        "it steps each param on the whole param (exact, with one exchange per step). Find its "
+        f"kind with `python -m mfsdp_optim.optim classify {cls.__module__}:{cls.__qualname__}`; "
+        "if every element's update reads only that element, declare it: "
+        f"OptimizerConfig(update_kinds={{{cls.__name__}: 'elementwise'}}) for the local-shard "
+        "step.",
+        UserWarning,
+        stacklevel=5,
+    )

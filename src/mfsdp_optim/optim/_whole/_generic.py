@@ -6,14 +6,17 @@ entry; the owner assembles full tensors and calls ``optimizer.step()`` once, sho
 as ``optim._views.local_shard_view`` does) group lists holding the full params it owns and a
 state mapping keyed by them; every other rank calls ``step()`` once with its lists emptied
 (step hooks run once per rank). The owner sends back each member's piece of the new param and
-of each param-shaped entry, and every other entry whole (a Replicate DTensor on the param's
-mesh; 0-d and plain values as stock keeps them); each direction: a sizes all-to-all + one.
+of each param-shaped entry, every other entry whole (a Replicate DTensor on the param's mesh;
+0-d and plain values as stock keeps them) and the values the class wrote into the param's group;
+each direction: a sizes all-to-all + one. Optimizer-level state (entries not keyed by a param,
+such as MADGRAD's ``k``) steps on every rank alike. Nothing is written before every rank knows
+every rank succeeded.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,6 +30,7 @@ from ._plan import WholeParamPlan
 __all__ = ["generic_step"]
 
 PARAM = "__param__"
+GROUP = "__group__"
 GRAD = "__grad__"
 _DTYPES = {
     str(t): t
@@ -52,6 +56,16 @@ def _param_shaped(key: str, value: object, shape: tuple[int, ...]) -> bool:
     if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
         return False
     return len(shape) > 0 or key not in SCALAR_STATE_KEYS
+
+
+def _sharded_like(key: str, value: object, p: DTensor) -> bool:
+    """A DTensor entry laid out as the param (its local tensor is the param's piece)."""
+    return (
+        isinstance(value, DTensor)
+        and _param_shaped(key, value, tuple(p.shape))
+        and value.device_mesh == p.device_mesh
+        and tuple(value.placements) == tuple(p.placements)
+    )
 
 
 def _grad_local(p: DTensor) -> torch.Tensor:
@@ -90,6 +104,11 @@ def generic_step(
     # members -> owner: (unit, present, [(key, dtype)]) headers, then the pieces' bytes
     records: list[tuple[list, list[torch.Tensor]]] = [([], []) for _ in range(world)]
     try:
+        if not isinstance(optimizer.state, MutableMapping):
+            raise TypeError(
+                f"{type(optimizer).__name__}.state is a {type(optimizer.state).__name__}, not a "
+                "mutable mapping: the whole-param step cannot show it the full params' state"
+            )
         for u, i in mine.items():
             owner = units[u].owner
             if owner == rank:
@@ -101,7 +120,7 @@ def generic_step(
                 entries += [
                     (k, v._local_tensor)
                     for k, v in optimizer.state.get(p, {}).items()
-                    if isinstance(v, DTensor) and _param_shaped(k, v, tuple(p.shape))
+                    if _sharded_like(k, v, p)
                 ]
             records[owner][0].append((u, present[u], [(k, str(t.dtype)) for k, t in entries]))
             records[owner][1].extend(t for _, t in entries)
@@ -157,9 +176,7 @@ def generic_step(
             device = p._local_tensor.device
             state = optimizer.state.get(p, {})
             own = {PARAM: p._local_tensor, GRAD: _grad_local(p)}
-            own.update(
-                {k: _local(v) for k, v in state.items() if _param_shaped(k, v, tuple(p.shape))}
-            )
+            own.update({k: _local(v) for k, v in state.items() if _sharded_like(k, v, p)})
             full = {k: torch.empty(p.shape, dtype=t.dtype, device=device) for k, t in own.items()}
             for member, piece in zip(unit.members, unit.pieces, strict=True):
                 src = own if member == rank else pieces_in[(u, member)]
@@ -178,34 +195,33 @@ def generic_step(
     shown: list[list[torch.Tensor]] = [[] for _ in groups]
     for u, full_param in fulls.items():
         shown[group_index[mine[u]]].append(full_param)
-    original_state = optimizer.state
+    stepped: dict[torch.Tensor, dict] = {}
+    level: dict = {}
     if ok:
         try:
-            for g, lst in zip(groups, shown, strict=True):
-                g["params"][:] = lst
-            optimizer.state = view
-            optimizer.step()
+            stepped, level = _step_on(optimizer, view, shown, saved, params)
         except Exception as exc:  # the class's own step: reported like any other failure
             error, ok = exc, False
-        finally:
-            for g, lst in zip(groups, saved, strict=True):
-                g["params"][:] = lst
-            optimizer.state = original_state
     # owner -> members: the param's piece, param-shaped pieces, full other entries
     out: list[tuple[list, list[torch.Tensor]]] = [([], []) for _ in range(world)]
     results: dict[int, tuple[list, list]] = {}
     try:
         for u, full_param in fulls.items() if ok else ():
             unit = units[u]
-            new_state = view.get(full_param, {})
+            new_state = stepped.get(full_param, {})
+            gi = group_index[mine[u]]
+            settings = {k: v for k, v in groups[gi].items() if k != "params"}
             for member, piece in zip(unit.members, unit.pieces, strict=True):
-                keys: list[tuple] = [(PARAM, "p", str(full_param.dtype), None, None)]
-                tensors: list[torch.Tensor | None] = [extract(full_param, piece)]
+                keys: list[tuple] = [
+                    (GROUP, "g", None, None, settings),
+                    (PARAM, "p", str(full_param.dtype), None, None),
+                ]
+                tensors: list[torch.Tensor | None] = [None, extract(full_param, piece)]
                 for k, v in new_state.items():
                     if _param_shaped(k, v, tuple(full_param.shape)):
                         keys.append((k, "p", str(v.dtype), None, None))
                         tensors.append(extract(v, piece))
-                    elif isinstance(v, torch.Tensor):
+                    elif isinstance(v, torch.Tensor) and str(v.dtype) in _DTYPES:
                         keys.append((k, "r", str(v.dtype), tuple(v.shape), v.device.type))
                         tensors.append(v)
                     else:
@@ -236,7 +252,7 @@ def generic_step(
             piece = units[u].pieces[units[u].members.index(rank)]
             tensors = []
             for _, kind, dt, shape, _ in got_keys:
-                if kind == "v":
+                if kind in ("v", "g"):
                     tensors.append(None)
                     continue
                 dtype = _dtype(dt)
@@ -245,8 +261,109 @@ def generic_step(
                 tensors.append(view_as(raw[offset : offset + size], dtype, shp))
                 offset += size
             results[u] = (got_keys, tensors)
+    state = optimizer.state
+    for k in [k for k in state if id(k) not in {id(p) for p in params} and k not in level]:
+        if not isinstance(k, torch.Tensor):  # an optimizer-level entry the step removed
+            del state[k]
+    for k, v in level.items():
+        state[k] = v
     for u, (keys, tensors) in results.items():
         _apply(optimizer, params[mine[u]], keys, tensors)
+        _apply_settings(groups[group_index[mine[u]]], keys[0][4])
+
+
+def _step_on(
+    optimizer: torch.optim.Optimizer,
+    view: dict[torch.Tensor, dict],
+    shown: list[list[torch.Tensor]],
+    saved: list[list[torch.Tensor]],
+    params: Sequence[DTensor],
+) -> tuple[dict[torch.Tensor, dict], dict]:
+    """``optimizer.step()`` with the group lists set to ``shown`` and the state mapping holding
+    ``view`` (the full params' state) beside the optimizer's own entries that are not keyed by
+    a wrapped param (e.g. a step counter ``state["k"]``), all restored in place afterwards (the
+    mapping is never reassigned: some classes expose ``state`` as a read-only property).
+    Returns each full param's state after the step, and the optimizer-level entries after it
+    (every rank steps once, so they agree), which the caller writes once every rank succeeded;
+    the step runs on copies of the optimizer-level entries."""
+    groups = optimizer.param_groups
+    state = optimizer.state
+    wrapped = {id(p) for p in params} | {id(p) for lst in saved for p in lst}
+    original = dict(state)
+    extra = {k: _snapshot(v) for k, v in original.items() if id(k) not in wrapped}
+    eps = _stock_eps1(optimizer, saved)
+    try:
+        for g, lst in zip(groups, shown, strict=True):
+            g["params"][:] = lst
+        for gi, value in eps.items():
+            groups[gi]["eps"] = value[1]
+        state.clear()
+        state.update(view)
+        state.update(extra)
+        optimizer.step()
+        after = dict(state)
+    finally:
+        for gi, value in eps.items():
+            groups[gi]["eps"] = value[0]
+        for g, lst in zip(groups, saved, strict=True):
+            g["params"][:] = lst
+        state.clear()
+        state.update(original)
+    full_ids = {id(p) for p in view}
+    level = {k: v for k, v in after.items() if id(k) not in full_ids}
+    return {p: after.get(p, {}) for p in view}, level
+
+
+def _stock_eps1(optimizer: torch.optim.Optimizer, saved: list[list[torch.Tensor]]) -> dict:
+    """torch's Adafactor with ``eps=(None, eps2)`` takes eps1 from the dtype of the first param
+    of the group that has a grad; an owner sees only its own params, so each such group gets
+    that value for the call: ``{group index: (the group's eps, the eps to step with)}``."""
+    adafactor = getattr(torch.optim, "Adafactor", None)
+    if adafactor is None or not isinstance(optimizer, adafactor):
+        return {}
+    out = {}
+    for gi, (g, lst) in enumerate(zip(optimizer.param_groups, saved, strict=True)):
+        eps = g.get("eps")
+        if not (isinstance(eps, (tuple, list)) and len(eps) == 2 and eps[0] is None):
+            continue
+        first = next((p for p in lst if p.grad is not None), None)
+        if first is not None:
+            pair = (torch.finfo(first.dtype).eps, eps[1])
+            out[gi] = (eps, pair if isinstance(eps, tuple) else list(pair))
+    return out
+
+
+def _same_value(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and bool(torch.equal(a.cpu(), b.cpu()))
+        )
+    try:
+        return bool(a == b) or a is b
+    except Exception:  # noqa: BLE001 - values without a plain == (e.g. arrays)
+        return a is b
+
+
+def _apply_settings(group: dict, settings: dict) -> None:
+    """The owner's group values after its step (what the class wrote into its group, e.g. a
+    step counter), on a member; a tensor value is updated in place."""
+    for k, v in settings.items():
+        cur = group.get(k)
+        if _same_value(cur, v):
+            continue
+        if (
+            isinstance(cur, torch.Tensor)
+            and isinstance(v, torch.Tensor)
+            and cur.shape == v.shape
+            and cur.dtype == v.dtype
+        ):
+            cur.copy_(v)
+        else:
+            group[k] = v
 
 
 def _apply(optimizer, p: DTensor, keys: list[tuple], tensors: list) -> None:
@@ -256,6 +373,8 @@ def _apply(optimizer, p: DTensor, keys: list[tuple], tensors: list) -> None:
     for (k, kind, _, _, value), t in zip(keys, tensors, strict=True):
         if k == PARAM:
             local.copy_(t.to(local.device).view(local.shape))
+            continue
+        if kind == "g":
             continue
         if kind == "v":
             new[k] = value

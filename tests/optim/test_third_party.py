@@ -1,0 +1,182 @@
+"""Third-party optimizers under the wrapper (skipped where a library is not installed).
+
+Each class runs through ``mfsdp_optim.optim._classify.trial`` on 4 real gloo ranks: the class
+under the wrapper for 5 steps on a layout (1-D uneven with an empty shard, HSDP 2x2, 2-D),
+against the same class on the unsharded params fed the ``full_tensor()`` of the very grads the
+sharded run got, compared with torch.equal. The silent cases of issue 35 (MADGRAD 9.1e-3 off,
+SPAM's shape error, Magma's "no setter") and the classes refused or rejected before
+(Prodigy's inf growth_rate, PNM's beta of 1.0) each have a test here; registered elementwise
+classes exchange no bytes; the registry imports none of the libraries.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+po = pytest.importorskip("pytorch_optimizer")
+
+LAYOUTS = ["1d-uneven-empty", "hsdp-2x2", "2d"]
+STEPS = 5
+
+
+def _target(name: str) -> str:
+    cls = po.load_optimizer(name)
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _trial(ranks, name, layout, kind=None, kwargs=None):
+    from mfsdp_optim.optim._classify import trial
+
+    results = ranks(4).run(trial, _target(name), kwargs or {"lr": 1e-2}, layout, STEPS, kind)
+    assert all(r == results[0] or "max_diff" in r for r in results), results
+    return results[0]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", ["madgrad", "spam", "pnm", "adapnm"])
+def test_per_param_classes_are_exact(ranks, name, layout):
+    """MADGRAD keeps a step counter ``state["k"]`` beside the params' state (9.1e-3 off when the
+    whole-param path dropped it); SPAM makes plain param-shaped masks at construction (a shape
+    error when they were taken for shards); PNM and AdaPNM default to a beta of 1.0 (refused by
+    the hyperparameter check before)."""
+    got = _trial(ranks, name, layout)
+    assert got.get("exact"), got
+
+
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("prodigy", "Prodigy cannot be wrapped: its update reads across params"),
+        ("dadaptadam", "DAdaptAdam cannot be wrapped: its update reads across params"),
+        ("dadaptsgd", "DAdaptSGD cannot be wrapped"),
+        ("adams", "AdamS cannot be wrapped: its update reads across params"),
+        ("avagrad", "AvaGrad cannot be wrapped: its update reads across params"),
+        ("lorarite", "LoRARite cannot be wrapped: its update reads across params"),
+        ("magma", "Magma cannot be wrapped: it keeps per-param state keyed by id(param)"),
+    ],
+)
+def test_classes_that_cannot_be_exact_are_refused_at_construction(name, says):
+    from mfsdp_optim.optim import FullyShardedOptimizer
+
+    cls = po.load_optimizer(name)
+    base = cls([torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(torch.zeros(4, 4))])
+    with pytest.raises(ValueError, match=re.escape(says)):
+        FullyShardedOptimizer(base)
+
+
+@pytest.mark.parametrize(("name", "lr"), [("prodigy", 1.0), ("adams", 1e-2), ("avagrad", 1e-2)])
+def test_cross_param_classes_read_across_params_in_plain_torch(name, lr):
+    """The registry's evidence: one instance over all params differs from one per param."""
+    from mfsdp_optim.optim._classify import references
+
+    refs = references(po.load_optimizer(name), {"lr": lr}, 8)
+    assert refs["runs"] and refs["cross_param"] and not refs["random"], refs
+
+
+def test_hyperparameter_checks_accept_what_the_class_accepts():
+    from mfsdp_optim.optim._hyper import check_param_groups
+
+    for name in ("prodigy", "dadaptadam", "pnm", "adapnm", "came"):
+        opt = po.load_optimizer(name)([torch.nn.Parameter(torch.zeros(2, 2))])
+        check_param_groups(opt.param_groups, opt.defaults)  # the class's own defaults pass
+    pnm = po.load_optimizer("pnm")([torch.nn.Parameter(torch.zeros(2))])
+    pnm.param_groups[0]["betas"] = (0.9, 1.5)
+    with pytest.raises(ValueError, match=r"\['betas'\]\[1\] is 1.5: it must be in \[0, 1\]"):
+        check_param_groups(pnm.param_groups, pnm.defaults)
+    prodigy = po.load_optimizer("prodigy")([torch.nn.Parameter(torch.zeros(2))])
+    prodigy.param_groups[0]["growth_rate"] = float("nan")
+    with pytest.raises(ValueError, match=r"\['growth_rate'\] is nan"):
+        check_param_groups(prodigy.param_groups, prodigy.defaults)
+    prodigy.param_groups[0]["growth_rate"] = float("inf")
+    check_param_groups(prodigy.param_groups, prodigy.defaults)
+    adam = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))])
+    adam.param_groups[0]["lr"] = float("inf")  # Adam's default lr is finite: still refused
+    with pytest.raises(ValueError, match=r"\['lr'\] is inf"):
+        check_param_groups(adam.param_groups, adam.defaults)
+
+
+def _rank_traffic(target):
+    import warnings
+
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from mfsdp_optim.optim import FullyShardedOptimizer
+    from mfsdp_optim.optim._classify import _layout_mesh, load_class
+    from mfsdp_optim.optim._whole import TRAFFIC
+
+    mesh = _layout_mesh("1d-uneven-empty")
+    params = [
+        torch.nn.Parameter(distribute_tensor(torch.randn(9, 4), mesh, [Shard(0)])) for _ in range(2)
+    ]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = FullyShardedOptimizer(load_class(target)(params, lr=1e-3))
+    TRAFFIC.clear()
+    for _ in range(3):
+        for p in params:
+            p.grad = distribute_tensor(torch.randn(9, 4), mesh, [Shard(0)])
+        assert opt.step()[0]
+    notes = [str(w.message) for w in caught if "update_kinds" in str(w.message)]
+    return opt._engines[0].kind, sum(TRAFFIC.values()), notes
+
+
+def test_a_registered_elementwise_class_exchanges_nothing(ranks):
+    """Registered classes take the local-shard step: no warning, zero whole-param bytes."""
+    targets = [_target("adabelief")]
+    try:
+        import lion_pytorch
+
+        targets.append(f"{lion_pytorch.Lion.__module__}:Lion")
+    except ImportError:
+        pass
+    for target in targets:
+        for kind, sent, notes in ranks(4).run(_rank_traffic, target):
+            assert (kind, sent, notes) == ("elementwise", 0, []), (target, kind, sent, notes)
+    # the counter counts: an unknown class on the whole-param path exchanges bytes
+    for kind, sent, _ in ranks(4).run(_rank_traffic, _target("came")):
+        assert kind == "whole_param" and sent > 0
+
+
+def test_the_registry_imports_no_library():
+    code = (
+        "import sys, mfsdp_optim.optim, mfsdp_optim.optim._kinds;"
+        "bad = [m for m in ('pytorch_optimizer', 'lion_pytorch', 'torchao') if m in sys.modules];"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_registry_entries_name_real_classes():
+    import importlib
+
+    from mfsdp_optim.optim._registry import REGISTRY
+
+    for module, name in REGISTRY:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        cls = getattr(mod, name, None)
+        assert isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer), (module, name)
+
+
+def test_registered_classes_with_changed_options_take_the_whole_param_path():
+    """AdaBelief is registered elementwise with its default options; ``adanorm=True`` reads
+    each grad's norm, so the package steps it on whole params and says why."""
+    import warnings
+
+    from mfsdp_optim.optim._kinds import kind_of
+
+    cls = po.load_optimizer("adabelief")
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    assert kind_of(cls([p], lr=1e-3, weight_decay=0.1, betas=(0.8, 0.9)), {}) == "elementwise"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert kind_of(cls([p], adanorm=True), {}) == "whole_param"
+    notes = [str(w.message) for w in caught]
+    assert any("AdaBelief is registered as elementwise" in n and "adanorm" in n for n in notes)
