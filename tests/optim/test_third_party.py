@@ -110,16 +110,18 @@ def _rank_traffic(target):
     from mfsdp_optim.optim._whole import TRAFFIC
 
     mesh = _layout_mesh("1d-uneven-empty")
+    # two shapes: a whole-param class over same-shape params needs model_chunks (named by FQN)
+    shapes = [(9, 4), (7, 4)]
     params = [
-        torch.nn.Parameter(distribute_tensor(torch.randn(9, 4), mesh, [Shard(0)])) for _ in range(2)
+        torch.nn.Parameter(distribute_tensor(torch.randn(s), mesh, [Shard(0)])) for s in shapes
     ]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         opt = FullyShardedOptimizer(load_class(target)(params, lr=1e-3))
     TRAFFIC.clear()
     for _ in range(3):
-        for p in params:
-            p.grad = distribute_tensor(torch.randn(9, 4), mesh, [Shard(0)])
+        for p, s in zip(params, shapes, strict=True):
+            p.grad = distribute_tensor(torch.randn(s), mesh, [Shard(0)])
         assert opt.step()[0]
     notes = [str(w.message) for w in caught if "update_kinds" in str(w.message)]
     return opt._engines[0].kind, sum(TRAFFIC.values()), notes
