@@ -150,10 +150,10 @@ def worker(rank, world, args, tmp, queue):
     # what the detailed exchange (0.1.0's only path, now the fallback) would send per rank
     import pickle
 
-    from mfsdp_optim.checkpoint._keyspace import describe
+    from mfsdp_optim.checkpoint._keyspace import describe_state
 
     res["detail_sent"] = 8 + len(
-        pickle.dumps(describe(opt, records).description, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.dumps(describe_state(opt, records).description, protocol=pickle.HIGHEST_PROTOCOL)
     )
     if args.keyspace_only:
         queue.put((rank, res))
