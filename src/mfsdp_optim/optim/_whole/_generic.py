@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..._infra.placement import SCALAR_STATE_KEYS, in_layout_of
+from ._checks import partial_grad_message
 from ._exchange import exchange_records, settle, view_as
 from ._pieces import extract, insert, piece_numel, piece_shape
 from ._plan import WholeParamPlan
@@ -163,13 +164,7 @@ def generic_step(
             if len(set(here)) > 1:
                 have = [m for m, h in zip(unit.members, here, strict=True) if h]
                 lack = [m for m, h in zip(unit.members, here, strict=True) if not h]
-                raise ValueError(
-                    f"param {unit.meta.name!r}: its grad is None on ranks {lack} but not on "
-                    f"ranks {have} of its shard group, so its whole-param update cannot be "
-                    "computed: give it a grad on every rank of its mesh or on none (e.g. "
-                    "zero_grad(set_to_none=True) on every rank, a param used on some ranks "
-                    "only); nothing was updated on any rank"
-                )
+                raise ValueError(partial_grad_message(unit.meta.name, have, lack))
             if not present[u]:
                 continue
             p = params[i]
@@ -197,9 +192,10 @@ def generic_step(
         shown[group_index[mine[u]]].append(full_param)
     stepped: dict[torch.Tensor, dict] = {}
     level: dict = {}
+    removed: list = []
     if ok:
         try:
-            stepped, level = _step_on(optimizer, view, shown, saved, params)
+            stepped, level, removed = _step_on(optimizer, view, shown, saved, params)
         except Exception as exc:  # the class's own step: reported like any other failure
             error, ok = exc, False
     # owner -> members: the param's piece, param-shaped pieces, full other entries
@@ -262,11 +258,9 @@ def generic_step(
                 offset += size
             results[u] = (got_keys, tensors)
     state = optimizer.state
-    for k in [k for k in state if id(k) not in {id(p) for p in params} and k not in level]:
-        if not isinstance(k, torch.Tensor):  # an optimizer-level entry the step removed
-            del state[k]
-    for k, v in level.items():
-        state[k] = v
+    for k in removed:  # optimizer-level entries the step removed
+        del state[k]
+    state.update(level)
     for u, (keys, tensors) in results.items():
         _apply(optimizer, params[mine[u]], keys, tensors)
         _apply_settings(groups[group_index[mine[u]]], keys[0][4])
@@ -278,14 +272,14 @@ def _step_on(
     shown: list[list[torch.Tensor]],
     saved: list[list[torch.Tensor]],
     params: Sequence[DTensor],
-) -> tuple[dict[torch.Tensor, dict], dict]:
+) -> tuple[dict[torch.Tensor, dict], dict, list]:
     """``optimizer.step()`` with the group lists set to ``shown`` and the state mapping holding
     ``view`` (the full params' state) beside the optimizer's own entries that are not keyed by
     a wrapped param (e.g. a step counter ``state["k"]``), all restored in place afterwards (the
     mapping is never reassigned: some classes expose ``state`` as a read-only property).
-    Returns each full param's state after the step, and the optimizer-level entries after it
-    (every rank steps once, so they agree), which the caller writes once every rank succeeded;
-    the step runs on copies of the optimizer-level entries."""
+    Returns each full param's state after the step, the optimizer-level entries after it and
+    the optimizer-level keys it removed (every rank steps once, so they agree), which the caller
+    writes once every rank succeeded; the step runs on copies of the optimizer-level entries."""
     groups = optimizer.param_groups
     state = optimizer.state
     wrapped = {id(p) for p in params} | {id(p) for lst in saved for p in lst}
@@ -311,7 +305,8 @@ def _step_on(
         state.update(original)
     full_ids = {id(p) for p in view}
     level = {k: v for k, v in after.items() if id(k) not in full_ids}
-    return {p: after.get(p, {}) for p in view}, level
+    removed = [k for k in extra if k not in after]
+    return {p: after.get(p, {}) for p in view}, level, removed
 
 
 def _stock_eps1(optimizer: torch.optim.Optimizer, saved: list[list[torch.Tensor]]) -> dict:

@@ -21,6 +21,7 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from torch.optim.optimizer import _to_scalar
 
 from ..._infra.placement import in_layout_of
+from ._checks import partial_grad_message
 from ._exchange import exchange, settle, view_as
 from ._pieces import extract, insert, piece_numel, piece_shape
 from ._plan import NS_BYTES, STATUS_BYTES, WholeParamPlan, flag_bytes, muon_splits
@@ -48,12 +49,7 @@ def _mismatch(name: str, members: Sequence[int], flags: Sequence[int]) -> str:
     have = [m for m, f in zip(members, flags, strict=True) if f & 1]
     lack = [m for m, f in zip(members, flags, strict=True) if not f & 1]
     if have and lack:
-        return (
-            f"param {name!r}: its grad is None on ranks {lack} but not on ranks {have} of its "
-            "shard group, so its whole-param update cannot be computed: give it a grad on every "
-            "rank of its mesh or on none (e.g. zero_grad(set_to_none=True) on every rank, a "
-            "param used on some ranks only); nothing was updated on any rank"
-        )
+        return partial_grad_message(name, have, lack)
     alias = [m for m, f in zip(members, flags, strict=True) if f & 2]
     plain = [m for m, f in zip(members, flags, strict=True) if not f & 2]
     return (
