@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from bench_muon import _timed  # the same synchronised timer
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 from mfsdp_optim.optim._whole._muon import batched_newton_schulz
@@ -25,16 +25,6 @@ from mfsdp_optim.optim._whole._muon import batched_newton_schulz
 COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 STEPS, EPS = 5, 1e-7
 SET = [((2048, 2048), 32), ((512, 2048), 32), ((5632, 2048), 32), ((2048, 5632), 16)]
-
-
-def _ms(device: str, fn) -> float:
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3
 
 
 def main() -> None:
@@ -66,7 +56,7 @@ def main() -> None:
         for _ in range(args.iters):
             copies = [stack[i].clone() for i in range(count)]
             t_one.append(
-                _ms(
+                _timed(
                     dev,
                     lambda c=copies: [
                         _zeropower_via_newtonschulz(x, COEFFICIENTS, STEPS, EPS) for x in c
@@ -75,7 +65,7 @@ def main() -> None:
             )
             batch = stack.clone()
             t_batch.append(
-                _ms(dev, lambda b=batch: batched_newton_schulz(b, COEFFICIENTS, STEPS, EPS))
+                _timed(dev, lambda b=batch: batched_newton_schulz(b, COEFFICIENTS, STEPS, EPS))
             )
         one, bat = statistics.median(t_one), statistics.median(t_batch)
         total_one, total_batch = total_one + one, total_batch + bat

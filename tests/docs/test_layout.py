@@ -21,12 +21,12 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from _site import build_site
 
 ROOT = Path(__file__).resolve().parents[2]
 WIDTH, HEIGHT = 1280, 900
@@ -107,19 +107,7 @@ def browser() -> str:
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     """The site built with ``mkdocs build --strict``, the probe added to every page."""
-    for mod in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python"):
-        pytest.importorskip(mod, reason="the docs extra is not installed: pip install -e .[docs]")
-    out = tmp_path_factory.mktemp("site")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), *sys.path]))
-    proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    out = build_site(tmp_path_factory.mktemp("site"))
     (out / "layout-probe.js").write_text(PROBE, encoding="utf-8")
     for page in pages(out):
         add_probe(out, page)

@@ -9,15 +9,13 @@ than the page (80 columns); each checker is first shown a broken snippet it must
 from __future__ import annotations
 
 import importlib
-import os
 import re
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from _site import build_site
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_CODE_COLUMNS = 80
@@ -342,19 +340,7 @@ def test_checkers_flag_each_defect():
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> dict[str, Page]:
     """Every page of the site built once with ``mkdocs build --strict``, by page name."""
-    for mod in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python"):
-        pytest.importorskip(mod, reason="the docs extra is not installed: pip install -e .[docs]")
-    out = tmp_path_factory.mktemp("site")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), *sys.path]))
-    proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    out = build_site(tmp_path_factory.mktemp("site"))
     pages = {}
     for html in sorted(out.rglob("index.html")):
         name = str(html.parent.relative_to(out)) if html.parent != out else "index"
