@@ -153,7 +153,10 @@ def bench(
         q.grad = distribute_tensor(g, mesh, [Shard(0)])
     stock = torch.optim.Muon(plain, lr=0.02)
     config = OptimizerConfig(batched_newton_schulz=batched)
-    wrapper = FullyShardedOptimizer(torch.optim.Muon(sharded, lr=0.02), config)
+    chunk = torch.nn.ParameterList(sharded)  # names the same-shape matrices (model_chunks)
+    wrapper = FullyShardedOptimizer(
+        torch.optim.Muon(sharded, lr=0.02), config, model_chunks=[chunk]
+    )
     stock.step()  # warm-up (and the wrapper's plan: one object all-gather)
     wrapper.step()
     t_stock, t_wrap = [], []

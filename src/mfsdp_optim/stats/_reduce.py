@@ -350,13 +350,17 @@ def _gather_rows(
 
 def _presence_slots(device: torch.device, presence: tuple[int, int]) -> torch.Tensor:
     """The two presence sums as float64 on ``device``, made once per value and kept (a fresh
-    host-to-device copy per step could stall the host: see ``VerdictSlots.encode``)."""
+    host-to-device copy per step could stall the host: see ``VerdictSlots.encode``); copied
+    from pinned memory, so even the first step does not synchronise."""
     key = (device, int(presence[0]), int(presence[1]))
     slots = _PRESENCE_CACHE.get(key)
     if slots is None:
         if len(_PRESENCE_CACHE) >= 64:
             _PRESENCE_CACHE.clear()
-        slots = _PRESENCE_CACHE[key] = torch.tensor(key[1:], dtype=torch.float64).to(device)
+        host = torch.tensor(key[1:], dtype=torch.float64)
+        if device.type == "cuda":  # pinned: the first copy does not wait for the stream
+            host = host.pin_memory()
+        slots = _PRESENCE_CACHE[key] = host.to(device, non_blocking=True)
     return slots
 
 
