@@ -73,10 +73,15 @@ class OptimizerConfig:
             their grads together, the others unclipped. Every scope costs the same single
             collective; ``step()`` reports the global norm, ``wrapper.grad_norms`` each base
             optimizer's (see "Clipping Muon and AdamW" on the documentation's optimizers page).
-        batched_newton_schulz: Keyword-only. Muon's owners run Newton-Schulz once per matrix
-            shape over all the matrices of that shape they own (batched GEMMs) instead of once
-            per matrix. Bit for bit torch's per-matrix result on CPU; on CUDA batched GEMMs may
-            round differently, so it is off by default (see the documentation's optimizers page).
+        batched_newton_schulz: Keyword-only. Whether Muon's owners run Newton-Schulz once per
+            matrix shape over all the matrices of that shape they own (batched matrix products)
+            instead of once per matrix. ``None`` (the default): batched wherever this process
+            has shown, with one probe of random matrices per kind of batch (shape, layout,
+            batch size, device, hyperparameters), that the batched products give torch's
+            per-matrix bits, else per matrix, so the result is always torch's. ``True``: always
+            batched (on a device whose batched kernels round differently, the result may differ
+            from torch's in the last bits). ``False``: never (see the documentation's optimizers
+            page).
     """
 
     clip_grad: float = 0.0
@@ -91,7 +96,7 @@ class OptimizerConfig:
     cuda_graph: bool = False
     update_kinds: Mapping[type, str] = field(default_factory=dict)
     clip_scope: str | Collection[int] = "global"
-    batched_newton_schulz: bool = False
+    batched_newton_schulz: bool | None = None
 
     def __post_init__(self) -> None:
         clip = self.clip_grad
@@ -124,8 +129,8 @@ class OptimizerConfig:
             )
         self.update_kinds = check_update_kinds(self.update_kinds)
         self.clip_scope = _check_clip_scope(self.clip_scope)
-        self.batched_newton_schulz = bool(
-            _flag(self.batched_newton_schulz, "batched_newton_schulz")
+        self.batched_newton_schulz = _flag(
+            self.batched_newton_schulz, "batched_newton_schulz", allow_none=True
         )
 
 

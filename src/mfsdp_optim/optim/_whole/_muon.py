@@ -3,11 +3,11 @@
 Momentum, the Nesterov blend, weight decay and the final add run on each rank's local shard (so
 ``momentum_buffer`` stays a sharded DTensor); the Newton-Schulz input travels once, as bfloat16
 (torch casts it to bfloat16 first), from every member of a unit to its owner, which runs torch's
-own ``_zeropower_via_newtonschulz`` (or, opt-in, one batched call per matrix shape) and sends each
-member, and each rank of the other replicas (the unit's receivers), its piece of the result. One
-exchange per direction for all params. Bit for bit torch's Muon on the unsharded params. A
-refused step (any rank failing anywhere, or ranks disagreeing on a param's grad) writes nothing
-on any rank.
+own ``_zeropower_via_newtonschulz`` (or one batched call per matrix shape, where shown exact) and
+sends each member, and each rank of the other replicas (the unit's receivers), its piece of the
+result. One exchange per direction for all params. Bit for bit torch's Muon on the unsharded
+params. A refused step (any rank failing anywhere, or ranks disagreeing on a param's grad)
+writes nothing on any rank.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from torch.optim.optimizer import _to_scalar
 from ..._infra.placement import in_layout_of
 from ._checks import partial_grad_message
 from ._exchange import exchange, settle, view_as
+from ._ns_probe import batched_is_exact
 from ._pieces import extract, insert, piece_numel, piece_shape
 from ._plan import NS_BYTES, STATUS_BYTES, WholeParamPlan, flag_bytes, muon_splits
 
@@ -65,14 +66,14 @@ def muon_step(
     groups: Sequence[dict],
     plan: WholeParamPlan,
     group: dist.ProcessGroup | None,
-    batched: bool = False,
+    batched: bool | None = False,
 ) -> None:
     """One Muon step of ``params`` (``groups[i]`` is params[i]'s param group), after the step's
     agreement. Nothing is written before every rank knows that every rank succeeded: the new
     momentum is computed into a new buffer, and after the last exchange it and the params are
-    written, or every rank raises (``settle``) with nothing changed on any rank. ``batched``: an
-    owner runs Newton-Schulz once per (shape, hyperparameters) over all its matrices of that
-    shape (``newton_schulz_all``).
+    written, or every rank raises (``settle``) with nothing changed on any rank. ``batched``
+    (True, None: where shown exact, False): an owner runs Newton-Schulz once per (shape,
+    hyperparameters) over all its matrices of that shape (``newton_schulz_all``).
 
     Every rank that holds a unit and is not its owner (a member of the owner's shard group, or
     a receiver in another replica) sends the owner its flags (one byte per unit, padded); members
@@ -283,15 +284,17 @@ def _as_torch_lays_out_tall(update: torch.Tensor) -> torch.Tensor:
 
 
 def newton_schulz_all(
-    fulls: dict[int, torch.Tensor], groups: dict[int, dict], batched: bool
+    fulls: dict[int, torch.Tensor], groups: dict[int, dict], batched: bool | None
 ) -> dict[int, torch.Tensor]:
     """Newton-Schulz of every whole matrix an owner holds (``fulls``, bfloat16, keyed by unit;
     ``groups[u]`` its param group). Each ``fulls[u]`` is left as torch's in-place normalisation
-    leaves its input (what an aliased momentum buffer gets back). ``batched``: matrices of one
-    shape and one set of Newton-Schulz hyperparameters go through ``batched_newton_schulz``
-    together; else one ``_zeropower_via_newtonschulz`` call each (torch's own function)."""
+    leaves its input (what an aliased momentum buffer gets back). ``batched``: True, matrices
+    of one shape and one set of Newton-Schulz hyperparameters go through
+    ``batched_newton_schulz`` together; None, the same where ``_ns_probe`` has shown that kind of
+    batch bit for bit on this device, else one call each; False, one
+    ``_zeropower_via_newtonschulz`` call each (torch's own function)."""
     out: dict[int, torch.Tensor] = {}
-    if not batched:
+    if batched is False:
         for u, full in fulls.items():
             g = groups[u]
             out[u] = _zeropower_via_newtonschulz(
@@ -301,12 +304,25 @@ def newton_schulz_all(
     by_kind: dict[tuple, list[int]] = {}
     for u, full in fulls.items():
         g = groups[u]
-        key = (tuple(full.shape), full.device, tuple(g["ns_coefficients"]), g["ns_steps"], g["eps"])
+        key = (
+            tuple(full.shape),
+            full.stride(),
+            full.device,
+            tuple(g["ns_coefficients"]),
+            g["ns_steps"],
+            g["eps"],
+        )
         by_kind.setdefault(key, []).append(u)
-    for (_, _, coefficients, steps, eps), units in by_kind.items():
-        if len(units) == 1:  # nothing to batch: torch's own call
-            u = units[0]
-            out[u] = _zeropower_via_newtonschulz(fulls[u], coefficients, steps, eps)
+    for (_, _, _, coefficients, steps, eps), units in by_kind.items():
+        first = fulls[units[0]]
+        if len(units) == 1 or (  # nothing to batch, or not shown exact here: torch's own calls
+            batched is None
+            and not batched_is_exact(
+                first, len(units), coefficients, steps, eps, batched_newton_schulz
+            )
+        ):
+            for u in units:
+                out[u] = _zeropower_via_newtonschulz(fulls[u], coefficients, steps, eps)
             continue
         stacked = torch.stack([fulls[u] for u in units])
         result, normalised = batched_newton_schulz(stacked, coefficients, steps, eps)
@@ -324,8 +340,9 @@ def batched_newton_schulz(
     as torch takes it (one ``norm()`` per matrix, on the same transposed view). Returns the
     results (as torch returns them: transposed views for tall matrices) and the normalised
     inputs (what torch's in-place division leaves in its input). Bit for bit torch's per-matrix
-    result on CPU (tested); on CUDA the batched GEMMs may round differently
-    (``benchmarks/check_batched_ns.py`` measures it), which is why it is opt-in."""
+    result on CPU for the tested shapes, and on an H100 for the Llama-like 1B set's shapes
+    (``benchmarks/check_batched_ns.py``); other kernels may round differently, which is why the
+    default batches only kinds ``_ns_probe`` has shown exact."""
     if steps >= 100:
         raise ValueError("Number of steps must be less than 100 for computational efficiency")
     if stacked.dim() != 3:

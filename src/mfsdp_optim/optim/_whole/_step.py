@@ -109,7 +109,7 @@ def step_whole_params(
     group: dist.ProcessGroup | None = None,
     plan_cache: WholeParamPlan | None = None,
     names: Sequence[str] | None = None,
-    batched_ns: bool = False,
+    batched_ns: bool | None = False,
 ) -> WholeParamPlan:
     """Do what ``optimizer.step()`` does to the unsharded ``params`` with their global grads,
     each update computed on the whole param; returns the plan to pass as ``plan_cache`` next.
@@ -128,7 +128,8 @@ def step_whole_params(
     its own error, the others ``RankFailedError`` naming it) with no param and no state changed
     on any rank; ranks whose plans differ (one rebuilt alone) raise ``RankMismatchError`` on
     every rank, and the plan is rebuilt on every rank at the next call.
-    ``batched_ns``: Muon owners batch Newton-Schulz per matrix shape (see ``_muon``).
+    ``batched_ns``: Muon owners batch Newton-Schulz per matrix shape (True), where shown bit
+    for bit on their device (None), or never (False); see ``_muon``.
     """
     where = _positions(optimizer)
     recipe = recipe_for(optimizer)
