@@ -154,9 +154,10 @@ def _set_grads(params, fulls, mesh, in_place):
             )
 
 
-def _pair(base_cls, base_kw, scaler_cls=None):
+def _pair(base_cls, base_kw, scaler_cls=None, split=False):
     """A wrapper whose step runs through CapturedStep with an EagerRunner, and a plain
-    host_sync=False wrapper over identical params."""
+    host_sync=False wrapper over identical params (``split``: two base optimizers, the first
+    param in one, the others in the second)."""
     import torch.distributed as dist
     from _layouts import get_mesh
 
@@ -172,10 +173,15 @@ def _pair(base_cls, base_kw, scaler_cls=None):
         scaler = None
         if scaler_cls is DynamicGradScaler:
             scaler = DynamicGradScaler(2.0**8, growth_interval=2, hysteresis=1)
+        base = [base_cls(ps[:1], **base_kw), base_cls(ps[1:], **base_kw)] if split else None
+        model = torch.nn.Module()  # names the params of two base optimizers apart
+        for i, p in enumerate(ps):
+            model.register_parameter(f"p{i}", p)
         w = FullyShardedOptimizer(
-            base_cls(ps, **base_kw),
+            base or base_cls(ps, **base_kw),
             OptimizerConfig(clip_grad=0.5, host_sync=False),
             grad_scaler=scaler,
+            model_chunks=[model] if split else (),
         )
         if captured:
             w.config = OptimizerConfig(clip_grad=0.5, host_sync=False, cuda_graph=True)
@@ -364,10 +370,11 @@ def test_nan_lr_is_refused_not_replayed(ranks):
         assert captures == 1 and replays == 2, (captures, replays)
 
 
-def _rank_moves_seen(check_all: bool):
+def _rank_moves_seen(check_all: bool, split: bool):
     """After a steady capture: every way a grad or a param's local tensor can move (a new
     object, a new local tensor, the same local tensor moved in place) fails the check before
-    the replay, and the next step captures again; put back, the check holds again."""
+    the replay, and the next step captures again; put back, the check holds again. The moved
+    param is the last one (with ``split``, of the second of two base optimizers)."""
     import os
 
     from torch.distributed.tensor import DTensor
@@ -377,14 +384,15 @@ def _rank_moves_seen(check_all: bool):
     if check_all:
         os.environ[CHECK_ALL_ENV] = "1"
     try:
-        mesh, [(wc, pc), _] = _pair(torch.optim.AdamW, dict(lr=LR, fused=True))
+        mesh, [(wc, pc), _] = _pair(torch.optim.AdamW, dict(lr=LR, fused=True), split=split)
         cs = wc._captured
         gen = torch.Generator().manual_seed(0)
         _set_grads(pc, [torch.randn(s, generator=gen) for s in SHAPES], mesh, in_place=True)
         for _ in range(1 + MIN_REPLAYS):
             wc.step()
         assert cs.graph.captures == 1 and cs.graph.replays == MIN_REPLAYS
-        p = pc[0]
+        assert len(wc._engines) == (2 if split else 1)
+        p = pc[-1]
 
         def swap_grad():
             old = p.grad
@@ -431,9 +439,13 @@ def _rank_moves_seen(check_all: bool):
         os.environ.pop(CHECK_ALL_ENV, None)
 
 
-@pytest.mark.parametrize("check_all", [False, True], ids=["default", "check-all-addresses"])
-def test_every_move_of_a_grad_or_param_forces_a_capture(ranks, check_all):
-    (out,) = ranks(1).run(_rank_moves_seen, check_all)
+@pytest.mark.parametrize(
+    "check_all, split",
+    [(False, False), (True, False), (False, True)],
+    ids=["default", "check-all-addresses", "two-base-optimizers"],
+)
+def test_every_move_of_a_grad_or_param_forces_a_capture(ranks, check_all, split):
+    (out,) = ranks(1).run(_rank_moves_seen, check_all, split)
     seen, captures, disabled = out
     assert seen.pop("nothing moved") is True
     for name, valid in seen.items():

@@ -237,16 +237,17 @@ class CapturedStep:
         per-step contract of the eager step's kernel tables."""
         if not captured.same_head(self.inputs(lists=False)):
             return False
-        lists, addresses = iter(captured.lists), iter(captured.addresses)
         check_all = check_all_lists()
+        i = 0  # engines with a plan so far: four lists and two address lists each (inputs)
         # reading .grad of a tensor subclass pays a torch-function dispatch unless disabled
         with torch._C.DisableTorchFunctionSubclass():
             for e in self.wrapper._engines:
                 plan = e.preparer.plan
                 if plan is None:  # (also at the capture: the head compared the plan objects)
                     continue
-                params, grads, grad_locals, locals_ = (next(lists) for _ in range(4))
-                grad_ptrs, local_ptrs = next(addresses), next(addresses)
+                params, grads, grad_locals, locals_ = captured.lists[4 * i : 4 * i + 4]
+                grad_ptrs, local_ptrs = captured.addresses[2 * i : 2 * i + 2]
+                i += 1
                 if not (
                     params is plan.params
                     and all(map(_is, map(_grad_of, params), grads))
