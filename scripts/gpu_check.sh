@@ -58,6 +58,7 @@ step bench_step 90 12 "$py" bench_step.py --sets 3000x512x256 --count-scale 0.1 
     --modes fused,foreach --iters 5 --warmup 2
 step bench_step_host 150 6 "$py" bench_step.py --host-time --host-counts 300,3000,30000 \
     --iters 10 --warmup 2
+step bench_replay 90 10 "$py" bench_replay.py --device cuda --counts 300,3000 --iters 5
 step bench_step_llama 90 8 "$py" bench_step.py --model llama1b --scale 0.05 \
     --count-scale 0.125 --modes fused --iters 3 --warmup 2
 step bench_loop 120 14 "$py" bench_loop.py --layers 2 --iters 5 --warmup 3 --rounds 2

@@ -154,9 +154,10 @@ def _set_grads(params, fulls, mesh, in_place):
             )
 
 
-def _pair(base_cls, base_kw, scaler_cls=None):
+def _pair(base_cls, base_kw, scaler_cls=None, split=False):
     """A wrapper whose step runs through CapturedStep with an EagerRunner, and a plain
-    host_sync=False wrapper over identical params."""
+    host_sync=False wrapper over identical params (``split``: two base optimizers, the first
+    param in one, the others in the second)."""
     import torch.distributed as dist
     from _layouts import get_mesh
 
@@ -172,10 +173,15 @@ def _pair(base_cls, base_kw, scaler_cls=None):
         scaler = None
         if scaler_cls is DynamicGradScaler:
             scaler = DynamicGradScaler(2.0**8, growth_interval=2, hysteresis=1)
+        base = [base_cls(ps[:1], **base_kw), base_cls(ps[1:], **base_kw)] if split else None
+        model = torch.nn.Module()  # names the params of two base optimizers apart
+        for i, p in enumerate(ps):
+            model.register_parameter(f"p{i}", p)
         w = FullyShardedOptimizer(
-            base_cls(ps, **base_kw),
+            base or base_cls(ps, **base_kw),
             OptimizerConfig(clip_grad=0.5, host_sync=False),
             grad_scaler=scaler,
+            model_chunks=[model] if split else (),
         )
         if captured:
             w.config = OptimizerConfig(clip_grad=0.5, host_sync=False, cuda_graph=True)
@@ -362,3 +368,87 @@ def test_nan_lr_is_refused_not_replayed(ranks):
     for out, captures, replays in ranks(1).run(_rank_nan_lr):
         assert out == ["ok", "ok", ("refused", True, True), "ok"], out
         assert captures == 1 and replays == 2, (captures, replays)
+
+
+def _rank_moves_seen(check_all: bool, split: bool):
+    """After a steady capture: every way a grad or a param's local tensor can move (a new
+    object, a new local tensor, the same local tensor moved in place) fails the check before
+    the replay, and the next step captures again; put back, the check holds again. The moved
+    param is the last one (with ``split``, of the second of two base optimizers)."""
+    import os
+
+    from torch.distributed.tensor import DTensor
+
+    from mfsdp_optim._infra.device_table import CHECK_ALL_ENV
+
+    if check_all:
+        os.environ[CHECK_ALL_ENV] = "1"
+    try:
+        mesh, [(wc, pc), _] = _pair(torch.optim.AdamW, dict(lr=LR, fused=True), split=split)
+        cs = wc._captured
+        gen = torch.Generator().manual_seed(0)
+        _set_grads(pc, [torch.randn(s, generator=gen) for s in SHAPES], mesh, in_place=True)
+        for _ in range(1 + MIN_REPLAYS):
+            wc.step()
+        assert cs.graph.captures == 1 and cs.graph.replays == MIN_REPLAYS
+        assert len(wc._engines) == (2 if split else 1)
+        p = pc[-1]
+
+        def swap_grad():
+            old = p.grad
+            p.grad = DTensor.from_local(
+                old._local_tensor.clone(),
+                mesh,
+                old.placements,
+                run_check=False,
+                shape=old.shape,
+                stride=old.stride(),
+            )
+            return lambda: setattr(p, "grad", old)
+
+        def swap_attr(obj, name):
+            old = getattr(obj, name)
+            setattr(obj, name, old.clone())
+            return lambda: setattr(obj, name, old)
+
+        def move_in_place(t):
+            old = t.untyped_storage()
+            t.set_(t.clone())  # same object, new memory
+            return lambda: t.set_(old, 0, t.shape, t.stride())
+
+        moves = {
+            "new grad object": swap_grad,
+            "new grad local tensor": lambda: swap_attr(p.grad, "_local_tensor"),
+            "grad local moved in place": lambda: move_in_place(p.grad._local_tensor),
+            "new param local tensor": lambda: swap_attr(p, "_local_tensor"),
+        }
+        if check_all:
+            moves["param local moved in place"] = lambda: move_in_place(p._local_tensor)
+        seen = {"nothing moved": cs.still_valid(cs.graph.inputs)}
+        for name, move in moves.items():
+            undo = move()
+            seen[name] = cs.still_valid(cs.graph.inputs)
+            undo()
+            seen[f"{name}, put back"] = cs.still_valid(cs.graph.inputs)
+        # through the step: a moved grad local is captured again, not replayed
+        undo = move_in_place(p.grad._local_tensor)
+        wc.step()
+        undo()
+        return seen, cs.graph.captures, cs.graph.disabled
+    finally:
+        os.environ.pop(CHECK_ALL_ENV, None)
+
+
+@pytest.mark.parametrize(
+    "check_all, split",
+    [(False, False), (True, False), (False, True)],
+    ids=["default", "check-all-addresses", "two-base-optimizers"],
+)
+def test_every_move_of_a_grad_or_param_forces_a_capture(ranks, check_all, split):
+    (out,) = ranks(1).run(_rank_moves_seen, check_all, split)
+    seen, captures, disabled = out
+    assert seen.pop("nothing moved") is True
+    for name, valid in seen.items():
+        assert valid is name.endswith("put back"), (name, seen)
+    assert len(seen) == (10 if check_all else 8), seen
+    assert captures == 2 and disabled is None, (captures, disabled)

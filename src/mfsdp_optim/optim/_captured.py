@@ -11,10 +11,11 @@ memory, asks ``_graph.StepGraph`` what to do with this step, then
   then the capture itself (nothing runs);
 * or runs the body eagerly.
 
-``inputs()`` lists what a capture reads (checked before every replay): the param and grad
-objects (O(params), identity only), the optimizer's state mapping, groups and the
-hyperparameters baked into the graph, the fast step's caches and Triton tables, the scaler's
-device tensors and the config. Construction refuses what can never be captured (``check_setup``).
+``inputs()`` lists what a capture reads (checked before every replay): the params, their grads
+and both kinds of local tensor (O(params): identity, then addresses), the optimizer's state
+mapping, groups and the hyperparameters baked into the graph, the fast step's caches and Triton
+tables, the scaler's device tensors and the config. Construction refuses what can never be
+captured (``check_setup``).
 Why and what a training loop must do: docs/concepts.md, "The captured step".
 """
 
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .._infra.comm import collective_device
+from .._infra.device_table import addresses, check_all_lists, same_addresses
 from ._dispatch import route_of
 from ._engine import _frozen_values
 from ._grad_scaler import ConstantGradScaler, DynamicGradScaler
@@ -227,32 +229,46 @@ class CapturedStep:
         return None
 
     def still_valid(self, captured: Inputs) -> bool:
-        """``inputs() .same(captured)`` without building the long lists: the O(groups) part
-        first, then every param's grad and local tensor compared by identity as read."""
+        """``inputs().same(captured)`` without building the long lists: the O(groups) part
+        first, then per engine one C-level pass each (``map`` over the params, no Python frame
+        per param): every param's grad object, those grads' local tensors and the params'
+        local tensors by identity, then the grads' local addresses (torch's C++ loop where the
+        build has it) and, under ``MFSDP_OPTIM_CHECK_ALL_ADDRESSES``, the params' too: the
+        per-step contract of the eager step's kernel tables."""
         if not captured.same_head(self.inputs(lists=False)):
             return False
-        lists = iter(captured.lists)
-        for e in self.wrapper._engines:
-            plan = e.preparer.plan
-            if plan is None:
-                continue
-            params, grads, locals_ = next(lists), next(lists), next(lists)
-            if params is not plan.params:
-                return False
-            with torch._C.DisableTorchFunctionSubclass():
-                if not all(map(_is, map(_grad_of, params), grads)):
+        check_all = check_all_lists()
+        i = 0  # engines with a plan so far: four lists and two address lists each (inputs)
+        # reading .grad of a tensor subclass pays a torch-function dispatch unless disabled
+        with torch._C.DisableTorchFunctionSubclass():
+            for e in self.wrapper._engines:
+                plan = e.preparer.plan
+                if plan is None:  # (also at the capture: the head compared the plan objects)
+                    continue
+                params, grads, grad_locals, locals_ = captured.lists[4 * i : 4 * i + 4]
+                grad_ptrs, local_ptrs = captured.addresses[2 * i : 2 * i + 2]
+                i += 1
+                if not (
+                    params is plan.params
+                    and all(map(_is, map(_grad_of, params), grads))
+                    and all(map(_is, map(_local_of, grads), grad_locals))
+                    and all(map(_is, map(_local_of, params), locals_))
+                    # the same objects, moved in place (set_, a storage swap)
+                    and same_addresses(grad_locals, grad_ptrs)
+                    and (not check_all or same_addresses(locals_, local_ptrs))
+                ):
                     return False
-            if not all(map(_is, map(_local_of, params), locals_)):
-                return False
         return True
 
     def inputs(self, lists: bool = True) -> Inputs:
         """What the capture reads (see the module docstring); ``lists``: with every param's
-        grad and local tensor (O(params))."""
+        grad, its local tensor and the param's local tensor, and the local tensors' addresses
+        (O(params))."""
         w = self.wrapper
         cfg, scaler = w.config, w.grad_scaler
         objects: list[Any] = [cfg, cfg.grad_stats_group, scaler]
         long: list[list[Any]] = []
+        ptrs: list[list[int]] = []
         values: list[Any] = [
             cfg.clip_grad,
             cfg.norm_type,
@@ -277,11 +293,14 @@ class CapturedStep:
                 values.append(tuple(v for k, v in g.items() if k not in ("params", "lr")))
             if fast._groups is not None:
                 objects.extend([gc.triton_table for gc in fast._groups])
-            if plan is not None and lists:  # O(params): the grads, the params' local tensors
+            if plan is not None and lists:  # O(params); a plan means every grad is a DTensor
                 with torch._C.DisableTorchFunctionSubclass():
                     grads = list(map(_grad_of, plan.params))
-                long += [plan.params, grads, list(map(_local_of, plan.params))]
-        return Inputs(objects, tuple(values), long)
+                grad_locals = list(map(_local_of, grads))
+                locals_ = list(map(_local_of, plan.params))
+                long += [plan.params, grads, grad_locals, locals_]
+                ptrs += [addresses(grad_locals), addresses(locals_)]
+        return Inputs(objects, tuple(values), long, ptrs)
 
     def _keep_alive(self) -> list[Any]:
         """What the graph reads that caches may drop (tables, workspaces, the verdict slots):

@@ -37,20 +37,26 @@ MIN_REPLAYS = 2
 
 class Inputs:
     """What a captured step reads: ``objects`` (tensors, lists, caches) must be the very same
-    objects, ``values`` (hyperparameters baked into the graph, versions, flags) equal, and each
-    of ``lists`` (long lists of objects, e.g. every param's grad) hold the same objects.
+    objects, ``values`` (hyperparameters baked into the graph, versions, flags) equal, each
+    of ``lists`` (long lists of objects, e.g. every param's grad) hold the same objects, and
+    ``addresses`` (lists of ints: the ``data_ptr()`` of tensors the graph reads) be equal.
 
     Holding the objects keeps them alive, so an identity match can never name a new object
     that took a freed one's id (or its memory)."""
 
-    __slots__ = ("objects", "values", "lists")
+    __slots__ = ("objects", "values", "lists", "addresses")
 
     def __init__(
-        self, objects: list[Any], values: tuple[Any, ...], lists: Sequence[list[Any]] = ()
+        self,
+        objects: list[Any],
+        values: tuple[Any, ...],
+        lists: Sequence[list[Any]] = (),
+        addresses: Sequence[list[int]] = (),
     ):
         self.objects = objects
         self.values = values
         self.lists = list(lists)
+        self.addresses = list(addresses)
 
     def same_head(self, other: Inputs) -> bool:
         """``objects`` and ``values`` match (not ``lists``)."""
@@ -68,6 +74,7 @@ class Inputs:
                 len(a) == len(b) and all(map(_is, a, b))
                 for a, b in zip(self.lists, other.lists, strict=True)
             )
+            and self.addresses == other.addresses  # ints: equality is safe
         )
 
 

@@ -1,0 +1,234 @@
+#!/usr/bin/env python
+"""Host time of one replay of the captured step (``OptimizerConfig(cuda_graph=True)``), per tensor.
+
+One process, world size 1 (gloo on CPU, nccl on CUDA, FileStore rendezvous), torch's fused AdamW
+over N DTensor params (``--shape``, default 4x4: the device work is negligible) with clipping
+and ``host_sync=False``, for N in ``--counts`` (default 300, 3000, 30000). Per count, after a
+steady capture, the median over ``--iters`` rounds (the contenders alternate within a round, so
+a slow spell of a shared host hits them alike; the device drained before each timed call) of
+
+* ``step``: the host time of one ``wrapper.step()`` call: everything a replay does on the host
+  (the wrapper's and torch's step wrappers, the lr mirror, the validity check, the graph launch,
+  the host-side bookkeeping, the clone of the returned tensors);
+* ``check``: the validity check alone (``CapturedStep.still_valid``);
+* ``launch`` (CUDA only): the graph's replay alone;
+
+for two versions of the check, in one run: ``before``, the check as it stood before its rewrite
+(grads and the params' local tensors by identity), kept verbatim below as ``_Before``, and
+``now``, the package's. ``step - check`` is the part that does not grow with N. On CPU no graph
+exists: the runner replays nothing and hands back the warm-up step's tensors, so ``step`` is
+the host bookkeeping only (what a CUDA replay adds: the launch, CUDA clones).
+
+    python benchmarks/bench_replay.py                        # CPU: the host bookkeeping
+    python benchmarks/bench_replay.py --device cuda          # with the CUDA graph
+    python benchmarks/bench_replay.py --counts 300,3000 --iters 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from operator import attrgetter
+from operator import is_ as _is
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from mfsdp_optim import FullyShardedOptimizer, OptimizerConfig
+from mfsdp_optim._infra import device_table
+from mfsdp_optim.optim._captured import CapturedStep
+from mfsdp_optim.optim._dispatch import route_of
+from mfsdp_optim.optim._graph import Inputs
+
+_grad_of = attrgetter("grad")
+_local_of = attrgetter("_local_tensor")
+
+
+class _NoLaunch:
+    """CPU stand-in for the CUDA graph: ``warm`` runs the step, ``capture`` records nothing and
+    ``replay`` returns the warm-up step's tensors (the host bookkeeping of a replay, no launch)."""
+
+    def __init__(self) -> None:
+        self.out: Any = None
+        self.captures = 0
+
+    def warm(self, body):
+        self.out = body()
+        return self.out
+
+    def capture(self, body) -> None:
+        self.captures += 1
+
+    def replay(self):
+        return self.out
+
+    def reset(self) -> None:
+        pass
+
+
+class _Before(CapturedStep):
+    """The captured step with the validity check as it stood before its rewrite (verbatim)."""
+
+    def still_valid(self, captured: Inputs) -> bool:
+        if not captured.same_head(self.inputs(lists=False)):
+            return False
+        lists = iter(captured.lists)
+        for e in self.wrapper._engines:
+            plan = e.preparer.plan
+            if plan is None:
+                continue
+            params, grads, locals_ = next(lists), next(lists), next(lists)
+            if params is not plan.params:
+                return False
+            with torch._C.DisableTorchFunctionSubclass():
+                if not all(map(_is, map(_grad_of, params), grads)):
+                    return False
+            if not all(map(_is, map(_local_of, params), locals_)):
+                return False
+        return True
+
+    def inputs(self, lists: bool = True) -> Inputs:
+        w = self.wrapper
+        cfg, scaler = w.config, w.grad_scaler
+        objects: list[Any] = [cfg, cfg.grad_stats_group, scaler]
+        long: list[list[Any]] = []
+        values: list[Any] = [
+            cfg.clip_grad,
+            cfg.norm_type,
+            cfg.log_num_zeros_in_grad,
+            cfg.triton_adam_step,
+        ]
+        if scaler is not None:
+            objects.extend(scaler._device.values())
+            objects.extend(scaler._cache.get(self.device, ()))
+            values.append(scaler.needs_unscale())
+        for e in w._engines:
+            opt, fast, plan = e.optimizer, e.fast, e.preparer.plan
+            objects += [opt.state, opt.param_groups, fast._groups, fast.lr_slots, plan]
+            values += [
+                len(opt.state),
+                e.table.version,
+                e.table.current(),
+                route_of(opt, precision_aware=e.precision_aware),
+            ]
+            for g in opt.param_groups:
+                objects += [g, g["params"]]
+                values.append(tuple(v for k, v in g.items() if k not in ("params", "lr")))
+            if fast._groups is not None:
+                objects.extend([gc.triton_table for gc in fast._groups])
+            if plan is not None and lists:
+                with torch._C.DisableTorchFunctionSubclass():
+                    grads = list(map(_grad_of, plan.params))
+                long += [plan.params, grads, list(map(_local_of, plan.params))]
+        return Inputs(objects, tuple(values), long)
+
+
+def _wrapper(cls, count: int, shape: tuple[int, ...], device, mesh) -> FullyShardedOptimizer:
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def dt(scale: float) -> DTensor:
+        t = torch.randn(shape, device=device, generator=gen) * scale
+        return DTensor.from_local(t, mesh, [Shard(0)], run_check=False)
+
+    params = [torch.nn.Parameter(dt(1.0)) for _ in range(count)]
+    for p in params:
+        p.grad = dt(1e-3)
+    w = FullyShardedOptimizer(
+        torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True),
+        OptimizerConfig(clip_grad=1.0, host_sync=False, cuda_graph=device.type == "cuda"),
+    )
+    # on CPU the wrapper refuses cuda_graph=True: the captured step with a runner that
+    # replays nothing (the same glue the CPU tests use)
+    if device.type != "cuda":
+        w.config = OptimizerConfig(clip_grad=1.0, host_sync=False, cuda_graph=True)
+    w._captured = cls(w, runner=None if device.type == "cuda" else _NoLaunch())
+    for _ in range(3):  # the warm-up and capture, then two replays
+        w.step()
+    g = w._captured.graph
+    if g.captures != 1 or g.replays != 2 or g.disabled:
+        raise RuntimeError(f"{cls.__name__}: not replaying ({g.captures=}, {g.disabled=})")
+    return w
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--counts", default="300,3000,30000")
+    ap.add_argument("--shape", default="4x4")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "thread"),
+        default="wall",
+        help="thread: this thread's CPU time (time.thread_time), for a host shared with other "
+        "work, where wall time counts the waits for a core",
+    )
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1)
+    mesh = init_device_mesh(device.type, (1,))
+    shape = tuple(int(x) for x in args.shape.split("x"))
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    clock = time.perf_counter if args.clock == "wall" else time.thread_time
+    helper = "C++" if device_table._bulk_check is not None else "Python (no C++ helper)"
+    print(
+        f"device {device} ({torch.cuda.get_device_name() if cuda else 'cpu'}), torch "
+        f"{torch.__version__}, fused AdamW over N x {args.shape}, median of {args.iters} "
+        f"({args.clock} clock); "
+        f"address check: {helper}"
+    )
+    for count in (int(c) for c in args.counts.split(",")):
+        wrappers = {"before": _wrapper(_Before, count, shape, device, mesh)}
+        wrappers["now"] = _wrapper(CapturedStep, count, shape, device, mesh)
+        calls: dict[str, Any] = {}
+        for name, w in wrappers.items():
+            cs = w._captured
+            calls[f"{name} step"] = w.step
+            calls[f"{name} check"] = lambda cs=cs: cs.still_valid(cs.graph.inputs)
+            if cuda:
+                calls[f"{name} launch"] = cs.graph.runner.replay
+        times: dict[str, list[float]] = {k: [] for k in calls}
+        for _ in range(args.iters):
+            for key, fn in calls.items():
+                sync()
+                t0 = clock()
+                ok = fn()
+                times[key].append(clock() - t0)
+                if key.endswith("check") and not ok:
+                    raise RuntimeError(f"{key}: the capture no longer holds")
+        sync()
+        for name, w in wrappers.items():
+            g = w._captured.graph
+            if g.captures != 1 or g.disabled:
+                raise RuntimeError(f"{name}: captured again or disabled while timed")
+        med = {k: statistics.median(v) for k, v in times.items()}
+        for kind in ("step", "check", "launch"):
+            if f"now {kind}" not in med:
+                continue
+            b, n = med[f"before {kind}"], med[f"now {kind}"]
+            print(
+                f"N={count:>6} {kind:>6}: before {b * 1e3:8.3f} ms "
+                f"({b / count * 1e9:6.1f} ns/tensor), now {n * 1e3:8.3f} ms "
+                f"({n / count * 1e9:6.1f} ns/tensor), now/before {n / b:.2f}"
+            )
+        fixed = {k: med[f"{k} step"] - med[f"{k} check"] for k in wrappers}
+        print(
+            f"N={count:>6} step - check (the part flat in N): before {fixed['before'] * 1e3:.3f}"
+            f" ms, now {fixed['now'] * 1e3:.3f} ms"
+        )
+        del wrappers, calls
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
