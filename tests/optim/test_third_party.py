@@ -182,3 +182,28 @@ def test_registered_classes_with_changed_options_take_the_whole_param_path():
         assert kind_of(cls([p], adanorm=True), {}) == "whole_param"
     notes = [str(w.message) for w in caught]
     assert any("AdaBelief is registered as elementwise" in n and "adanorm" in n for n in notes)
+
+
+@pytest.mark.parametrize(
+    "name", ["schedulefreeadamw", "schedulefreeradam", "schedulefreesgd", "vsgd"]
+)
+def test_values_a_registered_class_sets_itself_are_not_options(name):
+    """Schedule-free classes keep ``train_mode``, ``weight_sum`` and ``lr_max`` in their groups
+    and VSGD values derived from its options (``pa2``, ...); none is named in the signature, and
+    each counted as a changed option sent these registered classes to the whole-param path with
+    a warning. A value the class itself sets at construction is compared with a fresh instance's;
+    an option passed through ``**kwargs`` still counts (schedule-free's ``use_palm=True``)."""
+    import warnings
+
+    from mfsdp_optim.optim._kinds import kind_of
+
+    cls = po.load_optimizer(name)
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    rng = torch.get_rng_state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kind_of(cls([p], lr=1e-3), {}) == "elementwise"
+    assert torch.equal(torch.get_rng_state(), rng)
+    if name in ("schedulefreeadamw", "schedulefreeradam"):
+        with pytest.warns(UserWarning, match="use_palm"):
+            assert kind_of(cls([p], lr=1e-3, use_palm=True), {}) == "whole_param"
