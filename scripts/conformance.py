@@ -33,6 +33,7 @@ STEPS = 5
 # constructor arguments besides lr for classes that require them
 EXTRA = {
     "bsam": {"num_data": 10},
+    "ranger21": {"num_iterations": 100},
     # the step-size-free classes are meant for lr=1: with 1e-2 their d barely moves in 5 steps
     **{n: {"lr": 1.0} for n in ("prodigy", "dadaptadam", "dadaptsgd", "dadaptadagrad")},
     **{n: {"lr": 1.0} for n in ("dadaptadan", "dadaptlion")},
@@ -120,21 +121,37 @@ def _whole_evidence(pool, row: dict) -> None:
             row["whole_param"] = extra["whole_param"]
 
 
+def _package_kind(row: dict) -> str | None:
+    """The kind the package steps the row's class as today, built with the row's arguments
+    (None: refused, unknown to this install, or not constructible)."""
+    import warnings
+
+    import torch
+
+    from mfsdp_optim.optim._classify import load_class
+    from mfsdp_optim.optim._kinds import kind_of
+
+    try:
+        cls = load_class(row["target"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return kind_of(cls([torch.nn.Parameter(torch.zeros(4, 3))], **row["kwargs"]), {})
+    except Exception:  # noqa: BLE001 - refused or not constructible: nothing to copy
+        return None
+
+
 def _as_registered_now(row: dict) -> None:
     """A class registered elementwise after its package column was run (on whole params, as
     an unknown class then) gets its local-shard runs as the package column: the same trial
-    (the registry and a declaration both give the engine the elementwise kind), marked."""
-    from mfsdp_optim.optim._classify import load_class
-    from mfsdp_optim.optim._kinds import known_kind
-
+    (the registry and a declaration both give the engine the elementwise kind), marked. Only
+    where the package steps it elementwise today with the row's arguments (a registered class
+    whose group holds a value outside its default options takes the whole-param path)."""
     package, local = row.get("package", {}), row.get("elementwise", {})
     if not package or not local:
         return
-    try:
-        kind = known_kind(load_class(row["target"]))
-    except (ValueError, ImportError, AttributeError):
-        return
-    if kind == "elementwise" and any(r.get("kind") != "elementwise" for r in package.values()):
+    if _package_kind(row) == "elementwise" and any(
+        r.get("kind") != "elementwise" for r in package.values()
+    ):
         row["package"] = {k: {**v, "kind": "elementwise"} for k, v in local.items()}
         row["package_from"] = "the elementwise runs (registered after the package run)"
 
@@ -239,8 +256,8 @@ def main() -> int:
                     rows[name][kind] = old_rows[name][kind]
         print(f"{name}: {verdict(rows[name])} ({time.monotonic() - t:.1f} s)", flush=True)
         PARTIAL.write_text(json.dumps(rows, default=str) + "\n")
-    for row in rows.values():
-        _as_registered_now(row)
+    # the package columns of this run are what the package did: nothing is copied into them
+    # (``_as_registered_now`` is for --render, after a registry change)
     versions = [f"torch {torch.__version__}"]
     for mod in ("pytorch_optimizer", "lion_pytorch", "torchao"):
         try:

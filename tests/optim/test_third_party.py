@@ -58,13 +58,19 @@ def test_per_param_classes_are_exact(ranks, name, layout):
         ("avagrad", "AvaGrad cannot be wrapped: its update reads across params"),
         ("lorarite", "LoRARite cannot be wrapped: its update reads across params"),
         ("magma", "Magma cannot be wrapped: it keeps per-param state keyed by id(param)"),
+        ("dash", "DASH cannot be wrapped: its update reads across params (its step draws"),
+        ("kron", "Kron cannot be wrapped: its update reads across params (its step draws"),
+        ("gravity", "Gravity cannot be wrapped: its update reads across params (its first"),
+        ("ranger21", "Ranger21 cannot be wrapped: its update reads across params (its weight"),
     ],
 )
 def test_classes_that_cannot_be_exact_are_refused_at_construction(name, says):
     from mfsdp_optim.optim import FullyShardedOptimizer
 
     cls = po.load_optimizer(name)
-    base = cls([torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(torch.zeros(4, 4))])
+    extra = {"num_iterations": 100} if name == "ranger21" else {}
+    pair = [torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(torch.zeros(4, 4))]
+    base = cls(pair, **extra)
     with pytest.raises(ValueError, match=re.escape(says)):
         FullyShardedOptimizer(base)
 
@@ -76,6 +82,67 @@ def test_cross_param_classes_read_across_params_in_plain_torch(name, lr):
 
     refs = references(po.load_optimizer(name), {"lr": lr}, 8)
     assert refs["runs"] and refs["cross_param"] and not refs["random"], refs
+
+
+def test_ranger21_reads_across_params_in_plain_torch():
+    """The registry's evidence for Ranger21: its weight decay divides by a norm of the second
+    moments of every param, so one instance over all params differs from one per param (from
+    its 6th step at the default weight decay; at once with a larger one)."""
+    from mfsdp_optim.optim._classify import references
+
+    cls = po.load_optimizer("ranger21")
+    refs = references(cls, {"lr": 1e-2, "num_iterations": 100, "weight_decay": 0.1}, 3)
+    assert refs["runs"] and refs["cross_param"] and not refs["random"], refs
+    refs = references(cls, {"lr": 1e-2, "num_iterations": 100}, 12)
+    assert refs["runs"] and refs["cross_param"], refs
+
+
+def _rank_dash_stream(layout, isolate):
+    """DASH under the generic whole-param path against the unsharded run; with ``isolate``,
+    its power-iteration start vectors come from a generator of their own (the same values on
+    every rank and in the reference, whatever was stepped before). The registry's entry is
+    lifted in this rank for the run (DASH as an unknown class takes the whole-param path)."""
+    import pytorch_optimizer.optimizer.dash as dash
+
+    from mfsdp_optim.optim import _registry
+    from mfsdp_optim.optim._classify import trial
+
+    real = dash.batched_power_iteration
+
+    def own_stream(matrix, num_iters=10, num_vectors=16):
+        state = torch.get_rng_state()
+        torch.manual_seed(1234)
+        try:
+            return real(matrix, num_iters, num_vectors)
+        finally:
+            torch.set_rng_state(state)
+
+    key = (dash.DASH.__module__, dash.DASH.__qualname__)
+    entry = _registry.REGISTRY.pop(key, None)
+    dash.batched_power_iteration = own_stream if isolate else real
+    try:
+        return trial(_target("dash"), {"lr": 1e-2}, layout, STEPS, None)
+    finally:
+        dash.batched_power_iteration = real
+        if entry is not None:
+            _registry.REGISTRY[key] = entry
+
+
+def test_dash_differs_only_through_the_global_random_stream(ranks):
+    """Why DASH is refused: on the 1-D layout the owners step params in another order than
+    the unsharded run, so each param's power-iteration start vectors are other draws of
+    torch's global generator and the bf16 scale estimate can land one ulp away (6e-8 off);
+    with the draws taken from a stream of their own the very same path is bit for bit. The
+    classifier sees the draws (the generator moves in ``step()``) even where two seeds give
+    the same result."""
+    from mfsdp_optim.optim._classify import references
+
+    shared = ranks(4).run(_rank_dash_stream, "1d-uneven-empty", False)[0]
+    isolated = ranks(4).run(_rank_dash_stream, "1d-uneven-empty", True)[0]
+    assert not shared["exact"] and 0 < shared["max_diff"] < 1e-6, shared
+    assert isolated["exact"], isolated
+    refs = references(po.load_optimizer("dash"), {"lr": 1e-2}, STEPS)
+    assert refs["runs"] and refs["random"], refs
 
 
 def test_hyperparameter_checks_accept_what_the_class_accepts():
@@ -182,3 +249,28 @@ def test_registered_classes_with_changed_options_take_the_whole_param_path():
         assert kind_of(cls([p], adanorm=True), {}) == "whole_param"
     notes = [str(w.message) for w in caught]
     assert any("AdaBelief is registered as elementwise" in n and "adanorm" in n for n in notes)
+
+
+@pytest.mark.parametrize(
+    "name", ["schedulefreeadamw", "schedulefreeradam", "schedulefreesgd", "vsgd"]
+)
+def test_values_a_registered_class_sets_itself_are_not_options(name):
+    """Schedule-free classes keep ``train_mode``, ``weight_sum`` and ``lr_max`` in their groups
+    and VSGD values derived from its options (``pa2``, ...); none is named in the signature, and
+    each counted as a changed option sent these registered classes to the whole-param path with
+    a warning. A value the class itself sets at construction is compared with a fresh instance's;
+    an option passed through ``**kwargs`` still counts (schedule-free's ``use_palm=True``)."""
+    import warnings
+
+    from mfsdp_optim.optim._kinds import kind_of
+
+    cls = po.load_optimizer(name)
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    rng = torch.get_rng_state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kind_of(cls([p], lr=1e-3), {}) == "elementwise"
+    assert torch.equal(torch.get_rng_state(), rng)
+    if name in ("schedulefreeadamw", "schedulefreeradam"):
+        with pytest.warns(UserWarning, match="use_palm"):
+            assert kind_of(cls([p], lr=1e-3, use_palm=True), {}) == "whole_param"

@@ -2,8 +2,12 @@
 
 Three references run in one process over the same seeded params and grads: one instance over
 all params (what the user runs), one instance per param, and the first again under another
-random seed. The class *draws random numbers* when the two seeds differ (the sharded run cannot
-be judged against one unsharded run then); it *reads across params* when one instance differs
+random seed. The class *draws random numbers* when the two seeds differ, or when its ``step()``
+moves a global random generator (torch's CPU one, Python's, numpy's) even where the values
+drawn happen not to change the result: the stream is shared by every param, so what one param
+draws depends on the params stepped before it, and a rank that steps only some params draws
+other values (the sharded run cannot be judged against one unsharded run then, and the package
+refuses such a class); it *reads across params* when one instance differs
 from one per param. Then, on CPU gloo ranks, the class is stepped under the wrapper on each
 layout (1-D uneven with an empty shard, HSDP 2x2, 2-D), first on local shards
 (``"elementwise"``), then on whole params (``"whole_param"``), and each result is compared with
@@ -84,8 +88,10 @@ def _step_reference(
     *,
     per_param: bool = False,
     seed: int = 0,
+    draws: list[bool] | None = None,
 ) -> list[torch.Tensor]:
-    """The class on unsharded copies of ``params``, fed ``grads[t]`` at step t."""
+    """The class on unsharded copies of ``params``, fed ``grads[t]`` at step t; appends to
+    ``draws`` whether each ``step()`` moved a global random generator."""
     torch.manual_seed(seed)
     ps = [torch.nn.Parameter(p.detach().clone()) for p in params]
     opts = [cls([p], **kwargs) for p in ps] if per_param else [cls(ps, **kwargs)]
@@ -93,8 +99,25 @@ def _step_reference(
         for p, g in zip(ps, step_grads, strict=True):
             p.grad = g.detach().clone()
         for o in opts:
+            before = _generators()
             o.step()
+            if draws is not None:
+                draws.append(_generators() != before)
     return [p.detach() for p in ps]
+
+
+def _generators() -> list[object]:
+    """The global random generators' states (torch's CPU one, Python's, numpy's if present),
+    comparable with ``==``."""
+    import random
+    import sys
+
+    out: list[object] = [torch.get_rng_state().tolist(), random.getstate()]
+    np = sys.modules.get("numpy")
+    if np is not None:
+        kind, keys, *rest = np.random.get_state()
+        out.append((kind, keys.tolist(), *rest))
+    return out
 
 
 def _same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
@@ -123,14 +146,15 @@ def references(cls: type, kwargs: Mapping[str, Any], steps: int) -> dict[str, An
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            one = _step_reference(cls, kwargs, params, grads)
+            draws: list[bool] = []
+            one = _step_reference(cls, kwargs, params, grads, draws=draws)
             other_seed = _step_reference(cls, kwargs, params, grads, seed=1)
             each = _step_reference(cls, kwargs, params, grads, per_param=True)
     except Exception as exc:  # noqa: BLE001 - reported as evidence
         return {"runs": False, "error": _short(exc)}
     return {
         "runs": True,
-        "random": not _same(one, other_seed),
+        "random": not _same(one, other_seed) or any(draws),
         "cross_param": not _same(one, each),
         "cross_param_diff": _max_diff(one, each),
     }

@@ -237,9 +237,17 @@ def _options_changed(optimizer: torch.optim.Optimizer) -> list[str]:
         sig = inspect.signature(type(optimizer).__init__)
     except (TypeError, ValueError):
         return ["<signature unreadable>"]
-    # an option the signature does not name (taken through **kwargs, e.g. AdaBelief's adanorm)
+    # an option the signature does not name (taken through **kwargs, e.g. AdaBelief's adanorm),
+    # unless a fresh instance holds the same value (a value the class sets itself, such as
+    # schedule-free's train_mode or VSGD's pa2)
     named = set(sig.parameters)
-    changed = sorted({k for g in optimizer.param_groups for k in g if k not in named} - _TUNING)
+    unnamed = sorted({k for g in optimizer.param_groups for k in g if k not in named} - _TUNING)
+    fresh = _fresh_group(optimizer, sig) if unnamed else {}
+    changed = [
+        k
+        for k in unnamed
+        if k not in fresh or not all(_equal(g.get(k), fresh[k]) for g in optimizer.param_groups)
+    ]
     for name, param in sig.parameters.items():
         if name in _TUNING or param.default is inspect.Parameter.empty:
             continue
@@ -248,12 +256,46 @@ def _options_changed(optimizer: torch.optim.Optimizer) -> list[str]:
             values.append(optimizer.defaults[name])
         elif not values:
             values = [getattr(optimizer, name)] if hasattr(optimizer, name) else []
-        try:
-            if any(not (v is param.default or v == param.default) for v in values):
-                changed.append(name)
-        except Exception:  # noqa: BLE001 - an option without a plain ==
+        if any(not _equal(v, param.default) for v in values):
             changed.append(name)
     return changed
+
+
+def _equal(a: object, b: object) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # noqa: BLE001 - a value without a plain ==
+        return False
+
+
+def _fresh_group(optimizer: torch.optim.Optimizer, sig) -> dict:
+    """The group values of a fresh instance of ``optimizer``'s class on one dummy param with
+    its default options (the required ones taken from ``optimizer``); {} where it cannot be
+    built. The global random generators are left as they were."""
+    import inspect
+    import random
+
+    kwargs = {}
+    for name, param in sig.parameters.items():
+        if name in ("self", "params") or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if param.default is inspect.Parameter.empty:
+            source = optimizer.param_groups[0]
+            if name not in source:
+                source = optimizer.defaults
+            if name not in source:
+                return {}
+            kwargs[name] = source[name]
+    state = random.getstate()
+    try:
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fresh = type(optimizer)([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+        return {k: v for k, v in fresh.param_groups[0].items() if k != "params"}
+    except Exception:  # noqa: BLE001 - not constructible so: every unnamed value counts
+        return {}
+    finally:
+        random.setstate(state)
 
 
 def _warn_options(cls: type, changed: list[str]) -> None:

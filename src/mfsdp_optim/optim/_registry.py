@@ -7,7 +7,8 @@ imported by this package. Every entry is justified by the conformance test
 class under the wrapper on three layouts against the same class on the unsharded params fed the
 very same grads: an ``elementwise`` entry is exact on local shards, a ``whole_param`` one on
 whole params; a ``cross_param`` entry differs between one instance over all params and one per
-param in plain torch (or is known to read across params), and is refused at construction;
+param in plain torch, draws from a global random generator in its step (a stream shared by
+every param), or is known to read across params, and is refused at construction;
 ``refused`` entries are refused for the reason given. Versions checked: pytorch-optimizer
 4.1.0, lion-pytorch 0.2.5, torchao 0.18.0 (``docs/optimizers.md`` has the table).
 """
@@ -33,6 +34,27 @@ _CROSS = {
     (_PO + "adai", "Adai"): "its beta0 averages the second moments of every param",
     (_PO + "sgd", "ASGD"): "its adaptive step reads the norms of every param",
     (_PO + "lora_rite", "LoRARite"): "it steps LoRA factors as pairs of params",
+    (_PO + "ranger21", "Ranger21"): (
+        "its weight decay divides by a norm of the second moments summed over every param"
+    ),
+}
+# classes whose step draws from a global random generator: the stream is shared by every
+# param, so the values one param draws depend on the params stepped before it, and a rank that
+# steps only some params (each param on its owner) draws other values than the unsharded run
+_RANDOM = {
+    (_PO + "dash", "DASH"): (
+        "its step draws power-iteration start vectors from torch's global random generator "
+        "for every param in turn, so each param's draws depend on the params stepped before it"
+    ),
+    (_PO + "psgd", "Kron"): (
+        "its step draws random vectors and its update schedule from the global random "
+        "generators for every param in turn, so each param's draws depend on the params "
+        "stepped before it"
+    ),
+    (_PO + "gravity", "Gravity"): (
+        "its first step draws each param's state from torch's global random generator in "
+        "turn, so each param's draws depend on the params stepped before it"
+    ),
 }
 
 _REFUSED = {
@@ -118,5 +140,6 @@ REGISTRY: dict[tuple[str, str], tuple[str, str]] = {
     **{k: ("elementwise", why) for k, why in _ELEMENTWISE.items()},
     **{k: ("whole_param", why) for k, why in _WHOLE.items()},
     **{k: ("cross_param", why) for k, why in _CROSS.items()},
+    **{k: ("cross_param", why) for k, why in _RANDOM.items()},
     **{k: (REFUSED, why) for k, why in _REFUSED.items()},
 }
