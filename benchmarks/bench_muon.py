@@ -13,6 +13,8 @@ and the ratio are printed, and the params must come out bit for bit equal. A CPU
     PYTHONPATH=src torchrun --nproc-per-node 8 benchmarks/bench_muon.py --device cuda \\
         --layers 16 --scale 1 --cpu-scale 8       # several GPUs (one process each)
     PYTHONPATH=src python benchmarks/bench_muon.py --plan   # the plan table, no run
+    PYTHONPATH=src python benchmarks/bench_muon.py --compare mfsdp_prev=/tmp/prev \\
+        [--ns-steps 0] [--census]   # before/after in one run (the old package, renamed)
 
 ``--plan`` prints, from the planner alone (exact, like the traffic test), each rank's
 Newton-Schulz flops and exchange bytes for the 16-layer set on 8, 64 and 512 ranks with 1, 2
@@ -30,10 +32,11 @@ import time
 
 import torch
 import torch.distributed as dist
+from _compare import import_other
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from mfsdp_optim import FullyShardedOptimizer, OptimizerConfig
+import mfsdp_optim
 
 SHAPES = [
     (2048, 2048),
@@ -137,32 +140,49 @@ def print_plan_table(layers: int) -> None:
 
 
 def bench(
-    device: str, layers: int, steps: int, scale: int, batched: bool | None = None
-) -> tuple[float, float, float]:
-    """(stock ms, wrapper ms) per step, medians of alternating calls, and the params' max abs
-    difference after the run (0 unless ``batched`` is True, where a device may differ)."""
+    device: str,
+    layers: int,
+    steps: int,
+    scale: int,
+    batched: bool | None = None,
+    ns_steps: int = 5,
+    other=None,
+) -> tuple[float, float, float, float | None]:
+    """(stock ms, wrapper ms, params' max abs difference after the run, ``other``'s wrapper ms)
+    per step, medians of calls alternating in rounds. The difference is 0 unless ``batched`` is
+    True (a device may differ); ``other`` (another copy of the package, ``--compare``) steps its own
+    copy of the params, which must come out bit for bit as the wrapper's."""
     shapes = [(m // scale, n // scale) for m, n in SHAPES] * layers
     gen = torch.Generator().manual_seed(0)
     values = [torch.randn(s, generator=gen).to(device) for s in shapes]
     grads = [torch.randn(s, generator=gen).to(device) for s in shapes]
     mesh = init_device_mesh(device, (dist.get_world_size(),))
     plain = [torch.nn.Parameter(v.clone()) for v in values]
-    sharded = [torch.nn.Parameter(distribute_tensor(v, mesh, [Shard(0)])) for v in values]
-    for p, q, g in zip(plain, sharded, grads, strict=True):
+    stock = torch.optim.Muon(plain, lr=0.02, ns_steps=ns_steps)
+    for p, g in zip(plain, grads, strict=True):
         p.grad = g.clone()
-        q.grad = distribute_tensor(g, mesh, [Shard(0)])
-    stock = torch.optim.Muon(plain, lr=0.02)
-    config = OptimizerConfig(batched_newton_schulz=batched)
-    chunk = torch.nn.ParameterList(sharded)  # names the same-shape matrices (model_chunks)
-    wrapper = FullyShardedOptimizer(
-        torch.optim.Muon(sharded, lr=0.02), config, model_chunks=[chunk]
-    )
-    stock.step()  # warm-up (and the wrapper's plan: one object all-gather)
-    wrapper.step()
-    t_stock, t_wrap = [], []
+
+    def wrapped(package):
+        sharded = [torch.nn.Parameter(distribute_tensor(v, mesh, [Shard(0)])) for v in values]
+        for q, g in zip(sharded, grads, strict=True):
+            q.grad = distribute_tensor(g, mesh, [Shard(0)])
+        # None (auto) is this version's default; an older copy (--compare) may take bools only
+        kw = {} if batched is None else {"batched_newton_schulz": batched}
+        config = package.OptimizerConfig(**kw)
+        chunk = torch.nn.ParameterList(sharded)  # names the same-shape matrices (model_chunks)
+        base = torch.optim.Muon(sharded, lr=0.02, ns_steps=ns_steps)
+        return sharded, package.FullyShardedOptimizer(base, config, model_chunks=[chunk])
+
+    sharded, wrapper = wrapped(mfsdp_optim)
+    contenders = [(stock.step, []), (wrapper.step, [])]
+    if other is not None:
+        sharded_other, wrapper_other = wrapped(other)
+        contenders.append((wrapper_other.step, []))
+    for fn, _ in contenders:  # warm-up (and the wrappers' plans: one object all-gather)
+        fn()
     for i in range(steps):
-        pair = [(t_stock, stock.step), (t_wrap, wrapper.step)]
-        for times, fn in pair if i % 2 == 0 else pair[::-1]:
+        order = contenders if i % 2 == 0 else contenders[::-1]
+        for fn, times in order:
             times.append(_timed(device, fn))
     diff = 0.0
     for p, q in zip(plain, sharded, strict=True):
@@ -170,7 +190,60 @@ def bench(
         diff = max(diff, float((p.detach().double() - full.double()).abs().max()))
     if batched is not True:  # forced batches may round differently: reported, not asserted
         assert diff == 0.0, f"whole-param step differs by {diff}"
-    return statistics.median(t_stock), statistics.median(t_wrap), diff
+    other_ms = None
+    if other is not None:
+        for q, r in zip(sharded, sharded_other, strict=True):
+            assert torch.equal(q.full_tensor(), r.full_tensor()), "--compare: params differ"
+        other_ms = statistics.median(contenders[2][1])
+    t_stock, t_wrap = (statistics.median(times) for _, times in contenders[:2])
+    return t_stock, t_wrap, diff, other_ms
+
+
+CENSUS_OPS = ("copy_", "lerp", "lerp_", "add_", "mul_", "div_", "linalg_vector_norm", "cat")
+
+
+def census(layers: int, scale: int, other=None) -> dict[str, dict[str, tuple[int, float]]]:
+    """One step of each contender on CPU (one rank) under torch's profiler: per elementwise op,
+    its calls and the elements of its first operand over the set's elements (how many passes
+    over the set it makes). Exact and independent of the box's load, unlike the timings."""
+    import math
+
+    from torch.profiler import ProfilerActivity, profile
+
+    shapes = [(m // scale, n // scale) for m, n in SHAPES] * layers
+    gen = torch.Generator().manual_seed(0)
+    values = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    mesh = init_device_mesh("cpu", (1,))
+    plain = [torch.nn.Parameter(v.clone()) for v in values]
+    for p, g in zip(plain, grads, strict=True):
+        p.grad = g.clone()
+    steps = {"stock": torch.optim.Muon(plain, lr=0.02, ns_steps=0).step}
+    for name, package in (("wrapper", mfsdp_optim), ("other", other)):
+        if package is None:
+            continue
+        sharded = [torch.nn.Parameter(distribute_tensor(v, mesh, [Shard(0)])) for v in values]
+        for q, g in zip(sharded, grads, strict=True):
+            q.grad = distribute_tensor(g, mesh, [Shard(0)])
+        base = torch.optim.Muon(sharded, lr=0.02, ns_steps=0)
+        chunk = torch.nn.ParameterList(sharded)
+        steps[name] = package.FullyShardedOptimizer(base, model_chunks=[chunk]).step
+    total = sum(m * n for m, n in shapes)
+    out = {}
+    for name, fn in steps.items():
+        fn()  # warm-up (the wrappers' plans)
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            fn()
+        calls: dict[str, int] = {}
+        elements: dict[str, int] = {}
+        for e in prof.events():
+            op = e.name.removeprefix("aten::")
+            if op in CENSUS_OPS:
+                calls[op] = calls.get(op, 0) + 1
+                shape = e.input_shapes[0] if e.input_shapes else []
+                elements[op] = elements.get(op, 0) + (math.prod(shape) if shape else 0)
+        out[name] = {op: (calls[op], elements[op] / total) for op in sorted(calls)}
+    return out
 
 
 def main() -> None:
@@ -187,7 +260,27 @@ def main() -> None:
         default="auto",
         help="batched_newton_schulz: None (auto, the default), True (on) or False (off)",
     )
+    ap.add_argument(
+        "--ns-steps",
+        type=int,
+        default=5,
+        help="Muon's ns_steps (torch's default 5); 0 leaves out the GEMMs, the rest of the "
+        "step stays (its overhead seen without them)",
+    )
+    ap.add_argument(
+        "--compare",
+        default="",
+        help="also time the wrapper of another importable copy of the package (e.g. the "
+        "previous commit, renamed): 'module' or 'module=PATH'; its column is 'other ms'",
+    )
+    ap.add_argument(
+        "--census",
+        action="store_true",
+        help="print one step's elementwise ops (calls, passes over the set) of stock, the "
+        "wrapper (and --compare's) on CPU, one rank, ns_steps=0, and exit",
+    )
     args = ap.parse_args()
+    other = import_other(args.compare) if args.compare else None
     if args.plan:
         print_plan_table(16)
         return
@@ -200,17 +293,42 @@ def main() -> None:
         init = os.path.join(tempfile.mkdtemp(), "init")
         dist.init_process_group(backend, init_method=f"file://{init}", rank=0, world_size=1)
     world, rank = dist.get_world_size(), dist.get_rank()
+    if args.census:
+        found = census(args.layers, args.cpu_scale, other)
+        print(
+            f"one step, {args.layers} layer(s) / {args.cpu_scale}: op calls (passes over the set)"
+        )
+        for op in sorted({op for ops in found.values() for op in ops}):
+            row = "  ".join(
+                f"{name} {ops[op][0]:3d} ({ops[op][1]:.2f})" if op in ops else f"{name}   -"
+                for name, ops in found.items()
+            )
+            print(f"{op:20} {row}")
+        dist.destroy_process_group()
+        return
     if rank == 0:
-        print(f"{world} rank(s), {args.layers} layer(s), batched_newton_schulz={args.batched}")
-        print(f"{'device':24} {'stock ms':>10} {'wrapper ms':>11} {'ratio':>7} {'max diff':>9}")
+        print(
+            f"{world} rank(s), {args.layers} layer(s), batched_newton_schulz={args.batched}, "
+            f"ns_steps={args.ns_steps}" + (f", other: {args.compare}" if other else "")
+        )
+        extra = f" {'other ms':>9} {'ratio':>7}" if other else ""
+        print(
+            f"{'device':24} {'stock ms':>10} {'wrapper ms':>11} {'ratio':>7} {'max diff':>9}"
+            + extra
+        )
+    batched = {"auto": None, "on": True, "off": False}[args.batched]
     for device in ["cpu"] + (["cuda"] if args.device == "cuda" else []):
         scale = args.cpu_scale if device == "cpu" else args.scale
-        batched = {"auto": None, "on": True, "off": False}[args.batched]
-        stock_ms, wrap_ms, diff = bench(device, args.layers, args.steps, scale, batched)
+        stock_ms, wrap_ms, diff, other_ms = bench(
+            device, args.layers, args.steps, scale, batched, args.ns_steps, other
+        )
         if rank == 0:
             name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
             ratio = wrap_ms / stock_ms
-            print(f"{name:24} {stock_ms:10.2f} {wrap_ms:11.2f} {ratio:7.3f} {diff:9.2e}")
+            line = f"{name:24} {stock_ms:10.2f} {wrap_ms:11.2f} {ratio:7.3f} {diff:9.2e}"
+            if other_ms is not None:
+                line += f" {other_ms:9.2f} {other_ms / stock_ms:7.3f}"
+            print(line)
     dist.destroy_process_group()
 
 

@@ -17,8 +17,21 @@ import torch.distributed as dist
 
 from ..._infra.agreement import Wording, agree
 from ..._infra.comm import collective_device
+from ._plan import STATUS_BYTES
 
-__all__ = ["TRAFFIC", "WORDING", "exchange", "exchange_records", "settle", "view_as"]
+__all__ = [
+    "STATUS_BYTES",
+    "TRAFFIC",
+    "WORDING",
+    "Outbox",
+    "Part",
+    "exchange",
+    "exchange_records",
+    "part_bytes",
+    "settle",
+    "view_as",
+]
+
 
 WORDING = Wording("the whole-param optimizer step", "whole-param exchange group")
 
@@ -26,44 +39,123 @@ WORDING = Wording("the whole-param optimizer step", "whole-param exchange group"
 TRAFFIC: defaultdict[tuple[str, str], int] = defaultdict(int)
 
 
-def exchange(
+Part = torch.Tensor | tuple[torch.Tensor, torch.dtype]  # values, or (values, dtype they travel as)
+
+
+def part_bytes(part: Part) -> int:
+    """Bytes ``part`` takes in a message."""
+    if isinstance(part, tuple):
+        values, dtype = part
+        return values.numel() * dtype.itemsize
+    return part.numel() * part.element_size()
+
+
+class Outbox:
+    """One all-to-all's send buffer, ``[status word][payload]`` per peer (none to this rank),
+    allocated once and written in place: ``put`` copies a part (any dtype, any layout, cast on
+    the way where asked) straight into its place, so a message costs one copy of each part."""
+
+    def __init__(self, payload_sizes: Sequence[int], rank: int, device: torch.device) -> None:
+        self.sizes = [0 if r == rank else STATUS_BYTES + n for r, n in enumerate(payload_sizes)]
+        self.starts = [0] * len(self.sizes)
+        for r in range(1, len(self.sizes)):
+            self.starts[r] = self.starts[r - 1] + self.sizes[r - 1]
+        self.buf = torch.empty(sum(self.sizes), dtype=torch.uint8, device=device)
+
+    def put(self, peer: int, offset: int, part: Part) -> int:
+        """Write ``part`` at byte ``offset`` of ``peer``'s payload; returns the offset after it."""
+        values, dtype = part if isinstance(part, tuple) else (part, part.dtype)
+        n = part_bytes(part)
+        at = self.starts[peer] + STATUS_BYTES + offset
+        dst = self.buf[at : at + n]
+        if at % dtype.itemsize == 0:
+            dst.view(dtype).view(values.shape).copy_(values)
+        else:  # unaligned for dtype: through a contiguous copy
+            dst.copy_(values.to(dtype).contiguous().view(-1).view(torch.uint8))
+        return offset + n
+
+    def zero(self, peer: int, offset: int, nbytes: int) -> None:
+        at = self.starts[peer] + STATUS_BYTES + offset
+        self.buf[at : at + nbytes].zero_()
+
+    def send(
+        self,
+        direction: str,
+        recv_sizes: Sequence[int],
+        status: int,
+        group: dist.ProcessGroup | None,
+        heads: Sequence[torch.Tensor | None] | None = None,
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        """Write every peer's status word (and ``heads[r]``, a CPU uint8 tensor, right after
+        it) with one indexed copy, then the all-to-all: receive ``recv_sizes[r]`` payload bytes
+        (status excluded) from each peer. Returns each peer's payload and status."""
+        peers = [r for r, n in enumerate(self.sizes) if n]
+        if peers:
+            word = torch.tensor([status], dtype=torch.int64).view(torch.uint8)
+            values, lengths = [], []
+            for r in peers:
+                head = heads[r] if heads is not None else None
+                values.append(word)
+                if head is not None and head.numel():
+                    values.append(head)
+                lengths.append(STATUS_BYTES + (head.numel() if head is not None else 0))
+            counts = torch.tensor(lengths)
+            firsts = torch.tensor([self.starts[r] for r in peers])
+            # byte positions: each peer's status word, then its head, in one index
+            before = torch.cumsum(counts, 0) - counts
+            step = torch.arange(int(counts.sum())) - before.repeat_interleave(counts)
+            index = firsts.repeat_interleave(counts) + step
+            device = self.buf.device
+            self.buf[index.to(device)] = torch.cat(values).to(device)
+        return _all_to_all(direction, self.buf, self.sizes, recv_sizes, group)
+
+
+def _all_to_all(
     direction: str,
-    payloads: Sequence[Sequence[torch.Tensor]],
+    send: torch.Tensor,
+    send_sizes: Sequence[int],
     recv_sizes: Sequence[int],
-    status: int,
     group: dist.ProcessGroup | None,
 ) -> tuple[list[torch.Tensor], list[int]]:
-    """Send ``payloads[r]`` (uint8 tensors, concatenated) to rank ``r``, status word first;
-    receive ``recv_sizes[r]`` payload bytes (status excluded) from each. Nothing goes to or comes
-    from this rank itself. Returns each peer's payload and status."""
     rank = dist.get_rank(group)
-    device = collective_device(group)
-    word = torch.tensor([status], dtype=torch.int64).view(torch.uint8)
-    chunks: list[torch.Tensor] = []
-    send_sizes = []
-    for r, parts in enumerate(payloads):
-        if r == rank:
-            send_sizes.append(0)
-            continue
-        chunks.append(word)
-        chunks.extend(p.reshape(-1) for p in parts)
-        send_sizes.append(8 + sum(p.numel() for p in parts))
-    out_sizes = [0 if r == rank else 8 + n for r, n in enumerate(recv_sizes)]
-    if chunks:
-        send = torch.cat([c.to(device) for c in chunks])
-    else:
-        send = torch.empty(0, dtype=torch.uint8, device=device)
-    recv = torch.empty(sum(out_sizes), dtype=torch.uint8, device=device)
-    dist.all_to_all_single(recv, send, out_sizes, send_sizes, group=group)
+    out_sizes = [0 if r == rank else STATUS_BYTES + n for r, n in enumerate(recv_sizes)]
+    recv = torch.empty(sum(out_sizes), dtype=torch.uint8, device=send.device)
+    if len(out_sizes) > 1:  # a group of one rank has no peer: nothing to exchange
+        dist.all_to_all_single(recv, send, out_sizes, list(send_sizes), group=group)
     TRAFFIC[(direction, "sent")] += sum(send_sizes)
     TRAFFIC[(direction, "received")] += sum(out_sizes)
     pieces = recv.split(out_sizes)
-    parts_out = [piece[8:] if n else piece for piece, n in zip(pieces, out_sizes, strict=True)]
-    words = [piece[:8] for piece, n in zip(pieces, out_sizes, strict=True) if n]
+    parts_out = [
+        piece[STATUS_BYTES:] if n else piece for piece, n in zip(pieces, out_sizes, strict=True)
+    ]
+    words = [piece[:STATUS_BYTES] for piece, n in zip(pieces, out_sizes, strict=True) if n]
     # every peer's status word in ONE host read (not one per peer)
     read = view_as(torch.cat(words).cpu(), torch.int64, (-1,)).tolist() if words else []
     statuses = [int(read.pop(0)) if n else 0 for n in out_sizes]
     return parts_out, statuses
+
+
+def exchange(
+    direction: str,
+    payloads: Sequence[Sequence[Part]],
+    recv_sizes: Sequence[int],
+    status: int,
+    group: dist.ProcessGroup | None,
+) -> tuple[list[torch.Tensor], list[int]]:
+    """Send ``payloads[r]`` (parts of any dtype and layout, their bytes one after another) to
+    rank ``r``, status word first; receive ``recv_sizes[r]`` payload bytes (status excluded)
+    from each. Nothing goes to or comes from this rank itself. Returns each peer's payload and
+    status. Each part is copied once, into the send buffer."""
+    rank = dist.get_rank(group)
+    sizes = [0 if r == rank else sum(map(part_bytes, parts)) for r, parts in enumerate(payloads)]
+    box = Outbox(sizes, rank, collective_device(group))
+    for r, parts in enumerate(payloads):
+        if r == rank:
+            continue
+        offset = 0
+        for part in parts:
+            offset = box.put(r, offset, part)
+    return box.send(direction, recv_sizes, status, group)
 
 
 def exchange_records(

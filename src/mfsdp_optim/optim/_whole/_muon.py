@@ -12,7 +12,9 @@ writes nothing on any rank.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -20,20 +22,18 @@ from torch.distributed.tensor import DTensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from torch.optim.optimizer import _to_scalar
 
+from ..._infra.comm import collective_device
 from ..._infra.placement import in_layout_of
 from ._checks import partial_grad_message
-from ._exchange import exchange, settle, view_as
+from ._exchange import Outbox, Part, exchange, settle, view_as
 from ._ns_probe import batched_is_exact
-from ._pieces import extract, insert, piece_numel, piece_shape
-from ._plan import NS_BYTES, STATUS_BYTES, WholeParamPlan, flag_bytes, muon_splits
+from ._pieces import Piece, extract, insert, piece_numel, piece_shape
+from ._plan import NS_BYTES, STATUS_BYTES, Unit, WholeParamPlan, flag_bytes, muon_splits
 
 __all__ = ["batched_newton_schulz", "muon_step", "newton_schulz_all"]
 
 U8 = torch.uint8
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(-1).view(U8)
+BF16 = torch.bfloat16
 
 
 def _flags(optimizer, p: DTensor, group: dict) -> int:
@@ -60,6 +60,62 @@ def _mismatch(name: str, members: Sequence[int], flags: Sequence[int]) -> str:
     )
 
 
+@dataclass(frozen=True)
+class _Inward:
+    """The first exchange's layout for one rank (from the plan alone, cached in ``plan.slot``):
+    payload bytes to and from each peer (status words excluded), the units whose flags go to
+    each owner (in unit order, one byte each, padded), where each unit this rank is a member of
+    puts its piece of the Newton-Schulz input, and the units whose flags each peer sends here."""
+
+    send: tuple[int, ...]
+    recv: tuple[int, ...]
+    to_owner: tuple[tuple[int, ...], ...]
+    slot: dict[int, tuple[int, int]]  # unit -> (owner, byte offset in the payload to it)
+    from_peer: tuple[tuple[int, ...], ...]
+
+
+def _inward(plan: WholeParamPlan) -> _Inward:
+    key = ("muon_in", plan.digest)
+    if key not in plan.slot:
+        units, rank, world = plan.units, plan.rank, plan.world
+        send_in, recv_in, _, _ = muon_splits(units, rank, world)
+        local = set(plan.local_units)
+        to_owner: list[list[int]] = [[] for _ in range(world)]
+        from_peer: list[list[int]] = [[] for _ in range(world)]
+        for u, unit in enumerate(units):
+            if u in local and unit.owner != rank:
+                to_owner[unit.owner].append(u)
+            if unit.owner == rank:
+                for m in (*unit.members, *unit.receivers):
+                    if m != rank:
+                        from_peer[m].append(u)
+        slot = {}
+        for owner, us in enumerate(to_owner):
+            offset = flag_bytes(len(us)) if us else 0
+            for u in us:
+                if rank in units[u].members:  # a receiver sends its flags only
+                    slot[u] = (owner, offset)
+                    offset += piece_numel(units[u].piece_for(rank)) * NS_BYTES
+        plan.slot[key] = _Inward(
+            tuple(n - STATUS_BYTES if n else 0 for n in send_in),
+            tuple(n - STATUS_BYTES if n else 0 for n in recv_in),
+            tuple(map(tuple, to_owner)),
+            slot,
+            tuple(map(tuple, from_peer)),
+        )
+    return plan.slot[key]
+
+
+def _recv_out(plan: WholeParamPlan, present: list[bool], alias: list[bool]) -> list[int]:
+    """The second exchange's payload bytes from each peer (the last presence pattern cached)."""
+    key, pattern = ("muon_out", plan.digest), (tuple(present), tuple(alias))
+    cached = plan.slot.get(key)
+    if cached is None or cached[0] != pattern:
+        recv_out = muon_splits(plan.units, plan.rank, plan.world, present, alias)[3]
+        cached = plan.slot[key] = (pattern, [n - STATUS_BYTES if n else 0 for n in recv_out])
+    return cached[1]
+
+
 def muon_step(
     optimizer: torch.optim.Optimizer,
     params: Sequence[DTensor],
@@ -78,7 +134,14 @@ def muon_step(
     Every rank that holds a unit and is not its owner (a member of the owner's shard group, or
     a receiver in another replica) sends the owner its flags (one byte per unit, padded); members
     also send their piece of the Newton-Schulz input. The owner sends each of them what ITS
-    flags ask for, so the sizes match whatever happened on the owner."""
+    flags ask for, so the sizes match whatever happened on the owner.
+
+    Copies: a member casts its piece to bfloat16 straight into the send buffer, an owner its own
+    piece straight into the whole matrix (a unit held whole by its owner alone, as on one rank:
+    torch's own cast, no further copy); the owner adds its piece of the result as a view of
+    Newton-Schulz's output and copies each peer's piece once, into the send buffer; a tall
+    matrix's result travels transposed where the receiver's view then has torch's strided
+    layout (no copy there)."""
     units, rank, world = plan.units, plan.rank, plan.world
     error: BaseException | None = None
     mine = dict(zip(plan.local_units, range(len(params)), strict=True))  # unit -> param index
@@ -92,7 +155,9 @@ def muon_step(
     alias = [False] * len(units)
     for u, f in flags.items():
         present[u], alias[u] = bool(f & 1), bool(f & 2)
-    ns_in: dict[int, torch.Tensor] = {}  # unit -> this rank's piece of the NS input
+    inward = _inward(plan)
+    box = Outbox(inward.send, rank, collective_device(group))
+    fulls: dict[int, torch.Tensor] = {}  # owned unit -> the whole bfloat16 Newton-Schulz input
     new_bufs: dict[int, torch.Tensor] = {}  # unit -> the new momentum (local), written last
     scale: dict[int, tuple[float, float]] = {}  # unit -> (weight decay factor, adjusted lr)
     try:
@@ -115,53 +180,36 @@ def muon_step(
                     )
                 buf = local_old.lerp(grad, 1 - momentum)
             new_bufs[u] = buf
-            update = grad.lerp(buf, momentum) if g["nesterov"] else buf
-            ns_in[u] = update.bfloat16()  # aliases buf where alias[u]
+            update = grad.lerp(buf, momentum) if g["nesterov"] else buf  # is buf where alias[u]
+            unit = units[u]
+            if unit.owner == rank:
+                fulls[u] = _own_input(unit, rank, update)
+            elif u in inward.slot:  # a member: its piece, cast as torch casts, into place
+                owner, offset = inward.slot[u]
+                box.put(owner, offset, (update, BF16))
             lr = _to_scalar(g["lr"])
             scale[u] = (1 - lr * g["weight_decay"], _adjust_lr(lr, g["adjust_lr_fn"], p.shape))
     except Exception as exc:  # still takes part in both exchanges, then raises (settle)
         error = exc
-    key = ("muon_in", plan.digest)
-    if key not in plan.slot:
-        plan.slot[key] = muon_splits(units, rank, world)[:2]
-    send_in, recv_in = plan.slot[key]
-    # members and receivers -> owner: one flag byte per unit (in unit order), padded, then the
-    # members' pieces (receivers send flags only)
-    payload: list[list[torch.Tensor]] = [[] for _ in range(world)]
-    to_owner: list[list[int]] = [[] for _ in range(world)]
-    for u, unit in enumerate(units):
-        if u in mine and unit.owner != rank:
-            to_owner[unit.owner].append(u)
-    for owner, us in enumerate(to_owner):
-        if not us:
-            continue
-        fl = torch.zeros(flag_bytes(len(us)), dtype=U8)
-        fl[: len(us)] = torch.tensor([flags[u] for u in us], dtype=U8)
-        payload[owner].append(fl)
-        for u in us:
-            if rank not in units[u].members:
-                continue
-            piece = units[u].pieces[units[u].members.index(rank)]
-            data = ns_in.get(u) if error is None else None
-            if data is None:  # no grad here, or this rank failed: zeros of the agreed size
-                data = torch.zeros(piece_shape(piece), dtype=torch.bfloat16)
-            payload[owner].append(_as_bytes(data))
-    received, statuses = exchange(
-        "muon_in", payload, [n - STATUS_BYTES if n else 0 for n in recv_in], int(bool(error)), group
-    )
+    for u, (owner, offset) in inward.slot.items():
+        if not present[u] and error is None:  # no grad here: zeros of the agreed size
+            box.zero(owner, offset, piece_numel(units[u].piece_for(rank)) * NS_BYTES)
+    if error is not None:  # the payload is filler: every rank raises after the last exchange
+        box.buf.zero_()
+    heads: list[torch.Tensor | None] = [None] * world
+    for owner, us in enumerate(inward.to_owner):
+        if us:
+            head = torch.zeros(flag_bytes(len(us)), dtype=U8)
+            head[: len(us)] = torch.tensor([flags[u] for u in us], dtype=U8)
+            heads[owner] = head
+    received, statuses = box.send("muon_in", inward.recv, int(bool(error)), group, heads)
     # owners: every member's and receiver's flags, then assemble, orthogonalise, cut the result
-    from_peer: list[list[int]] = [[] for _ in range(world)]
-    for u, unit in enumerate(units):
-        if unit.owner == rank:
-            for m in (*unit.members, *unit.receivers):
-                if m != rank:
-                    from_peer[m].append(u)
     peer_flags: dict[tuple[int, int], int] = {}  # (unit, member or receiver) -> its flags
     offsets = [0] * world
-    heads = [received[m][: len(us)] for m, us in enumerate(from_peer) if us]
-    got = torch.cat(heads).cpu().tolist() if heads else []  # every peer's flags: ONE read
+    firsts = [received[m][: len(us)] for m, us in enumerate(inward.from_peer) if us]
+    got = torch.cat(firsts).cpu().tolist() if firsts else []  # every peer's flags: ONE read
     at = 0
-    for m, us in enumerate(from_peer):
+    for m, us in enumerate(inward.from_peer):
         if us:
             peer_flags.update(
                 {(u, m): int(f) for u, f in zip(us, got[at : at + len(us)], strict=True)}
@@ -169,7 +217,6 @@ def muon_step(
             at += len(us)
             offsets[m] = flag_bytes(len(us))
     ok = error is None and not any(statuses)
-    fulls: dict[int, torch.Tensor] = {}
     for u, unit in enumerate(units):
         if unit.owner != rank:
             continue
@@ -179,17 +226,13 @@ def muon_step(
             error, ok = ValueError(_mismatch(unit.meta.name, holders, unit_flags)), False
         if ok and present[u]:
             try:
-                device = ns_in[u].device
-                full = torch.empty(unit.meta.shape, dtype=torch.bfloat16, device=device)
+                full = fulls[u]
                 for member, piece in zip(unit.members, unit.pieces, strict=True):
-                    if member == rank:
-                        data = ns_in[u]
-                    else:
+                    if member != rank:
                         n = piece_numel(piece) * NS_BYTES
                         raw = received[member][offsets[member] : offsets[member] + n]
-                        data = view_as(raw, torch.bfloat16, (-1,)).to(device)
-                    insert(full, piece, data.view(piece_shape(piece)))
-                fulls[u] = full
+                        data = view_as(raw, BF16, piece_shape(piece)).to(full.device)
+                        insert(full, piece, data)
             except Exception as exc:  # reported in the second exchange's status word
                 error, ok = exc, False
         for member, piece in zip(unit.members, unit.pieces, strict=True):
@@ -203,13 +246,14 @@ def muon_step(
             error, ok = exc, False
     # each member and receiver gets what ITS flags ask for, so the sizes match whatever
     # happened here
-    out: list[list[torch.Tensor]] = [[] for _ in range(world)]
-    results: dict[int, torch.Tensor] = {}
-    after_alias: dict[int, torch.Tensor] = {}
+    out: list[list[Part]] = [[] for _ in range(world)]
+    results: dict[int, torch.Tensor] = {}  # unit -> this rank's piece of the result, as added
+    after_alias: dict[int, torch.Tensor] = {}  # unit -> its piece of the normalised input
     for u, unit in enumerate(units):
         if unit.owner != rank:
             continue
         orth, normalised = orthogonal.get(u), fulls.get(u)
+        shape = unit.meta.shape
         pairs = zip(
             (*unit.members, *unit.receivers), (*unit.pieces, *unit.receiver_pieces), strict=True
         )
@@ -217,24 +261,22 @@ def muon_step(
             f = flags[u] if holder == rank else peer_flags[(u, holder)]
             if not f & 1:
                 continue
-            if ok and orth is not None and normalised is not None:
-                parts = [extract(orth, piece)] + ([extract(normalised, piece)] if f & 2 else [])
-            else:  # filler of the agreed size: every rank raises after this exchange
-                filler = torch.zeros(piece_shape(piece), dtype=torch.bfloat16)
-                parts = [filler] * (2 if f & 2 else 1)
             if holder == rank:
-                results[u] = parts[0]
+                if ok and orth is not None and normalised is not None:
+                    results[u] = _own_result(orth, piece, shape)
+                    if f & 2 and normalised is not new_bufs.get(u):
+                        after_alias[u] = _piece_view(normalised, piece)
+                continue  # else nothing is written: every rank raises after this exchange
+            if ok and orth is not None and normalised is not None:
+                parts: list[Part] = [_wire_result(orth, piece, shape)]
                 if f & 2:
-                    after_alias[u] = parts[1]
-                continue
-            out[holder].extend(_as_bytes(t) for t in parts)
-    _, _, _, recv_out = muon_splits(units, rank, world, present, alias)
+                    parts.append(_piece_view(normalised, piece))
+            else:  # filler of the agreed size: every rank raises after this exchange
+                filler = torch.zeros(piece_shape(piece), dtype=BF16)
+                parts = [filler] * (2 if f & 2 else 1)
+            out[holder].extend(parts)
     back, statuses_out = exchange(
-        "muon_out",
-        out,
-        [n - STATUS_BYTES if n else 0 for n in recv_out],
-        int(error is not None),
-        group,
+        "muon_out", out, _recv_out(plan, present, alias), int(error is not None), group
     )
     settle(error, [*statuses, *statuses_out], group)
     # every rank succeeded: read the results, then write the momentum and the params
@@ -242,11 +284,13 @@ def muon_step(
     for u, unit in enumerate(units):
         if not present[u] or u not in mine or unit.owner == rank:
             continue
-        n = piece_numel(unit.piece_for(rank)) * NS_BYTES
+        pshape = piece_shape(unit.piece_for(rank))
+        n = math.prod(pshape) * NS_BYTES
         src, o = back[unit.owner], offsets[unit.owner]
-        results[u] = view_as(src[o : o + n], torch.bfloat16, (-1,))
+        device = params[mine[u]]._local_tensor.device
+        results[u] = _received_result(src[o : o + n], unit.meta.shape, pshape, device)
         if alias[u]:
-            after_alias[u] = view_as(src[o + n : o + 2 * n], torch.bfloat16, (-1,))
+            after_alias[u] = view_as(src[o + n : o + 2 * n], BF16, pshape)
         offsets[unit.owner] = o + n * (2 if alias[u] else 1)
     for u, i in mine.items():
         if not present[u]:
@@ -254,7 +298,7 @@ def muon_step(
         p = params[i]
         local = p._local_tensor
         buf = new_bufs[u]
-        if alias[u]:
+        if u in after_alias:  # the normalised input (torch normalises the buffer in place)
             buf.copy_(after_alias[u].to(buf.device).view(buf.shape))
         state = optimizer.state[p]
         old = state.get("momentum_buffer")
@@ -264,21 +308,95 @@ def muon_step(
             (old._local_tensor if isinstance(old, DTensor) else old).copy_(buf)
         decay, adjusted = scale[u]
         local.mul_(decay)
-        update = results[u].to(local.device).view(local.shape)
-        if p.shape[0] > p.shape[1]:
-            update = _as_torch_lays_out_tall(update)
-        local.add_(update, alpha=-adjusted)
+        local.add_(results[u], alpha=-adjusted)
+
+
+def _narrow_only(piece: Piece) -> bool:
+    return all(isinstance(ix, tuple) for ix in piece)
+
+
+def _piece_view(full: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """``full``'s elements in ``piece``: a view where the piece is ranges, else a copy."""
+    if not _narrow_only(piece):
+        return extract(full, piece)
+    t = full
+    for d, ix in enumerate(piece):
+        assert isinstance(ix, tuple)
+        t = t.narrow(d, ix[0], ix[1])
+    return t
+
+
+def _own_input(unit: Unit, rank: int, update: torch.Tensor) -> torch.Tensor:
+    """The owner's whole bfloat16 Newton-Schulz input with its own piece of ``update`` in place
+    (the other members' pieces are inserted after the exchange). A unit held whole by its owner
+    alone takes torch's own cast (``update.bfloat16()``, the buffer itself where it is bfloat16
+    already, as torch's Muon normalises it in place); otherwise the cast is the copy into the
+    whole matrix (the same rounding)."""
+    shape = unit.meta.shape
+    piece = unit.pieces[unit.members.index(rank)]
+    whole = _narrow_only(piece) and all(ix == (0, n) for ix, n in zip(piece, shape, strict=True))
+    if len(unit.members) == 1 and whole and update.is_contiguous():
+        return update.bfloat16()
+    full = torch.empty(shape, dtype=BF16, device=update.device)
+    insert(full, piece, update)
+    return full
+
+
+def _strided_add(shape: tuple[int, ...]) -> bool:
+    """Whether torch's Muon adds this param's update through a strided operand: a tall matrix
+    (rows > columns > 1) gets the transpose of Newton-Schulz's contiguous result, which sends
+    ``param.add_(update, alpha=...)`` down the elementwise kernel's scalar loop on CPU; a
+    contiguous operand takes the vectorised loop, whose fused multiply-add rounds differently
+    (one bfloat16 step on a few elements, seen on CPU). A single column's transpose is
+    contiguous again, as is every other shape's result."""
+    return shape[0] > shape[1] > 1
+
+
+def _wire_transposed(shape: tuple[int, ...], pshape: tuple[int, ...]) -> bool:
+    """Whether a piece of the result travels transposed: where the receiver's transposed view
+    of it (``(columns, rows)`` contiguous, then ``.mT``) is strided as torch's operand is, which
+    needs more than one row and more than one column in the piece."""
+    return _strided_add(shape) and pshape[0] > 1 and pshape[1] > 1
+
+
+def _own_result(orth: torch.Tensor, piece: Piece, shape: tuple[int, ...]) -> torch.Tensor:
+    """The owner's piece of the result, laid out as torch's Muon adds it: a view of
+    Newton-Schulz's output where the view's layout gives the same kernel loop (the whole
+    matrix: torch's very operand), else a copy (``_as_torch_lays_out_tall`` for a strided one)."""
+    pshape = piece_shape(piece)
+    values = _piece_view(orth, piece)
+    if _strided_add(shape):
+        if _narrow_only(piece) and pshape[1] > 1:  # strides (1, rows): the scalar loop
+            return values
+        return _as_torch_lays_out_tall(values)
+    return values.contiguous()
+
+
+def _wire_result(orth: torch.Tensor, piece: Piece, shape: tuple[int, ...]) -> torch.Tensor:
+    """What the owner sends a peer of its piece of the result (copied once, into the send
+    buffer): the transposed piece of Newton-Schulz's contiguous output where
+    ``_wire_transposed``, else the piece itself."""
+    pshape = piece_shape(piece)
+    if _wire_transposed(shape, pshape):
+        return _piece_view(orth.mT, (piece[1], piece[0]))
+    return _piece_view(orth, piece)
+
+
+def _received_result(
+    raw: torch.Tensor, shape: tuple[int, ...], pshape: tuple[int, ...], device: torch.device
+) -> torch.Tensor:
+    """A received piece of the result (bfloat16 bytes), laid out as torch's Muon adds it."""
+    flat = view_as(raw, BF16, (-1,)).to(device)
+    if _wire_transposed(shape, pshape):
+        return flat.view(pshape[1], pshape[0]).mT  # strides (1, rows): no copy
+    values = flat.view(pshape)
+    return _as_torch_lays_out_tall(values) if _strided_add(shape) else values
 
 
 def _as_torch_lays_out_tall(update: torch.Tensor) -> torch.Tensor:
-    """``update``'s values in a layout whose last dim is strided, as torch's Muon adds them.
-
-    For a tall matrix (rows > columns) torch's Newton-Schulz returns the transpose of a
-    contiguous result, so its ``param.add_(update, alpha=...)`` reads a strided operand, which
-    sends the add down the elementwise kernel's scalar loop; a contiguous operand takes the
-    vectorised loop, whose fused multiply-add rounds differently (one bfloat16 step on a few
-    elements, seen on CPU). Every local piece of a tall matrix is added strided, whatever its
-    shape (a one-row piece of the transposed view would count as contiguous again)."""
+    """``update``'s values in a layout whose last dim is strided (stride 2), as torch's Muon
+    adds a tall matrix's result (``_strided_add``), for pieces whose own view cannot be: a
+    one-row or one-column piece of the transposed result would count as contiguous."""
     strided = torch.empty((*update.shape, 2), dtype=update.dtype, device=update.device)[..., 0]
     return strided.copy_(update)
 

@@ -102,7 +102,8 @@ def extract(full: torch.Tensor, piece: Piece) -> torch.Tensor:
 
 
 def insert(full: torch.Tensor, piece: Piece, values: torch.Tensor) -> None:
-    """Write ``values`` (the piece's shape) into contiguous ``full`` at ``piece``."""
+    """Write ``values`` (the piece's shape, any dtype: cast to ``full``'s as ``copy_`` casts)
+    into contiguous ``full`` at ``piece``."""
     if all(isinstance(ix, tuple) for ix in piece):
         t = full
         for d, ix in enumerate(piece):
@@ -116,4 +117,5 @@ def insert(full: torch.Tensor, piece: Piece, values: torch.Tensor) -> None:
         view = [1] * len(piece)
         view[d] = -1
         flat = flat + ar.view(view) * full.stride(d)
-    full.view(-1).index_copy_(0, flat.reshape(-1).to(full.device), values.reshape(-1))
+    source = values.reshape(-1).to(full.dtype)  # the cast copy_ would do on the other branch
+    full.view(-1).index_copy_(0, flat.reshape(-1).to(full.device), source)
