@@ -3,13 +3,15 @@ which refuses incomplete, damaged or foreign ones before a byte reaches the live
 ``_staged`` and re-exported here).
 
 Map: ``_consensus`` agrees on what every rank saves or loads (ONE all-reduce of a digest; the
-detail only when it differs or a rank failed); ``_publish`` stages and publishes atomically;
+detail only when it differs or a rank failed); ``_write`` writes each rank's files with DCP's
+planner and writer, without ``dcp.save``'s collectives (the agreement fixed who writes what),
+and rank 0 DCP's ``.metadata`` from the reports; ``_publish`` stages and publishes atomically;
 ``_integrity`` checks completeness and checksums; ``_async`` stages and writes in the background.
-Collectives of ``save_checkpoint``: that all-reduce, ``dcp.save``'s own, one object gather
-(every rank's writes and checksums, rank 0's save id), one all-reduce (the publish verdict); the
-asynchronous save adds one all-reduce (every rank staged) and runs all but the first on its own
-gloo group. Of ``load_checkpoint``: that all-reduce, one all-reduce (every rank loaded); DCP's
-load runs without collectives.
+Collectives of ``save_checkpoint``: that all-reduce, one object gather (every rank's writes and
+checksums, rank 0's save id), one all-reduce (the publish verdict); the asynchronous save adds
+one all-reduce (every rank staged) and runs the last two on its own gloo group. Of
+``load_checkpoint``: that all-reduce, one all-reduce (every rank loaded); DCP's load runs
+without collectives.
 The on-disk layout and its guarantees: docs/reliability.md.
 """
 
@@ -52,8 +54,9 @@ from ._integrity import (
     checksum_items,
     item_record,
 )
-from ._publish import capturing, check_name, publish
+from ._publish import check_name, publish
 from ._staged import load_checkpoint
+from ._write import Written, plain_writers, write_files, write_metadata
 
 __all__ = [
     "CHECKSUMS_FILE",
@@ -161,6 +164,7 @@ def save_checkpoint(
         prep = prep or failure_of(exc)
     sig: dict[str, tuple] = {}
     try:
+        state_dict = _unwrap_stateful(state_dict)
         sig = signatures(state_dict, values=True)
         digest = sig_digest(sig, final)
     except Exception as exc:  # never leave the others waiting in the collective
@@ -173,10 +177,17 @@ def save_checkpoint(
         ranks = group_ranks(process_group, world)
         if verdict.same:
             errors = check_uniform(sig, ranks)
+            everyone = list(range(world))
+            plain = plain_writers({k: (s, everyone) for k, s in sig.items()})
         else:
             assert verdict.details is not None
             agree_on_directory([d[1] for d in verdict.details], "save into", "nothing written")
             errors = check_agreement([d[0] for d in verdict.details], ranks)
+            holders: dict[str, tuple[tuple, list[int]]] = {}
+            for i, (s_i, _) in enumerate(verdict.details):
+                for k, s in s_i.items():
+                    holders.setdefault(k, (s, []))[1].append(i)
+            plain = plain_writers(holders)
         if errors:
             raise_agreed(
                 {0: Failure("RankDisagreementError", ("\n  ".join(errors[:30]),))},
@@ -203,29 +214,35 @@ def save_checkpoint(
         raise
 
     job = _Job(final, staging, rank, world, checksums, overwrite, metadata)
-    writer = capturing(writer_cls)(staging, thread_count=thread_count)
-    if not asynchronous:
-        import torch.distributed.checkpoint as dcp
-
-        t_write = time.perf_counter()
-        err: BaseException | None = None
-        try:
-            dcp.save(dict(state_dict), storage_writer=writer, process_group=process_group)
-        except BaseException as exc:  # DCP's CheckpointException is a BaseException
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            err = exc
-        return _finish(job, writer, err, process_group, time.perf_counter() - t_write)
-
-    t_write = time.perf_counter()
-    return _async.start(
-        final,
-        staged,
-        writer,
-        group,
-        lambda err: _finish(job, writer, err, group, time.perf_counter() - t_write),
-        t0,
+    writer = writer_cls(staging, thread_count=thread_count)
+    where = (
+        dist.get_rank() if dist_info(process_group)[2] else 0,
+        frozenset(ranks),
+        plain,
+        not verdict.same,
     )
+
+    def write_and_finish(sd: Mapping[str, Any], on: dist.ProcessGroup | None) -> str:
+        t_write = time.perf_counter()
+        written: Written | None = None
+        err: Exception | None = None
+        try:
+            written = write_files(sd, writer, rank, *where)
+        except Exception as exc:  # reported in the gather: nobody is left waiting
+            err = exc
+        return _finish(job, writer, written, err, on, time.perf_counter() - t_write)
+
+    if not asynchronous:
+        return write_and_finish(state_dict, process_group)
+    return _async.start(final, lambda: write_and_finish(staged, group), t0)
+
+
+def _unwrap_stateful(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with every ``Stateful`` value replaced by its ``state_dict()`` (what
+    ``dcp.save`` saves of it), before the ranks agree on what they save."""
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
 
 
 class _Job(NamedTuple):
@@ -243,45 +260,60 @@ class _Job(NamedTuple):
 def _finish(
     job: _Job,
     writer: Any,
+    written: Written | None,
     err: BaseException | None,
     group: dist.ProcessGroup | None,
     t_save: float,
 ) -> str:
-    """After ``dcp.save`` (``err``: its error): the checksums, one object gather of every
-    rank's writes (rank 0 adds the save's id), rank 0's publish, one all-reduce of its verdict.
-    Runs on the caller's thread (synchronous) or the background one (on its own group)."""
+    """After this rank wrote its files (``written``; ``err``: why it could not): the checksums,
+    one object gather of every rank's writes (rank 0 adds the save's id), rank 0's
+    ``.metadata`` and publish, one all-reduce of its verdict. Runs on the caller's thread
+    (synchronous) or the background one (on its own group)."""
     final, staging = job.final, job.staging
-    if err is not None:
-        raise RuntimeError(
-            f"dcp.save of {final} failed ({type(err).__name__}: {str(err)[:2000]}); a rank "
-            "probably died or was killed during the save. Nothing was published: the previous "
-            f"checkpoint is untouched and the partial files are in {staging}."
-        ) from err
     t0 = time.perf_counter()
-    report: tuple[list[dict], tuple[str, str] | None, str | None]
+    report: tuple[list[dict], tuple[str, str, str] | None, str | None, Written | None]
     save_id = uuid.uuid4().hex if job.rank == 0 else None
+    stage = "write"
     try:
-        mine = [item_record(r.index, r.storage_data) for r in getattr(writer, "mfsdp_results", [])]
-        report = (checksum_items(staging, mine) if job.checksums else mine, None, save_id)
+        if err is not None:
+            raise err
+        assert written is not None
+        stage = "checksum"
+        mine = [item_record(fqn, off, info) for fqn, off, _, info, _ in written.items]
+        report = (checksum_items(staging, mine) if job.checksums else mine, None, save_id, written)
     except Exception as exc:
-        report = ([], (type(exc).__name__, str(exc)), save_id)
+        report = ([], (stage, type(exc).__name__, str(exc)[:2000]), save_id, None)
     t_crc = time.perf_counter() - t0
-    reports = gather(report, group)
+    try:
+        reports = gather(report, group)
+    except RuntimeError as exc:  # a rank died, was killed or stopped before it reported
+        cause = exc.__cause__ or exc
+        raise RuntimeError(
+            f"writing the checkpoint {final} failed: a rank died, was killed or stopped while "
+            f"the ranks wrote their files (it did not reach the gather of their reports). "
+            f"{_on_disk(final, None)} Cause: {type(cause).__name__}: {str(cause)[:1000]}"
+        ) from exc
     save_id = reports[0][2]  # every rank now knows the id the marker will carry
 
     outcome: Failure | None = None
     if job.rank == 0:
         try:
-            failed = [r for r, (_, e, _) in enumerate(reports) if e is not None]
+            failed = [r for r, rep in enumerate(reports) if rep[1] is not None]
             if failed:
                 raise RuntimeError(
-                    f"ranks {failed} could not checksum their files: "
-                    f"{[reports[r][1] for r in failed]}"
+                    f"writing the checkpoint {final} failed on ranks {failed}: "
+                    + "; ".join(
+                        f"rank {r} ({reports[r][1][0]}): {reports[r][1][1]}: {reports[r][1][2]}"
+                        for r in failed
+                    )
+                    + f". Nothing was published: the previous checkpoint is untouched and the "
+                    f"partial files are in {staging}."
                 )
+            write_metadata(writer, [rep[3] for rep in reports])
             publish(
                 staging,
                 final,
-                [(items, e) for items, e, _ in reports],
+                [(rep[0], None) for rep in reports],
                 job.checksums,
                 job.overwrite,
                 job.world,
