@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import time
 import uuid
@@ -89,15 +90,17 @@ def save_checkpoint(
     Every rank of ``process_group`` calls it with its own state dict. First the ranks check,
     with one collective, that they agree on what they save: every DTensor key on exactly the
     ranks of its mesh with one global shape, dtype and layout, and plain tensors / objects equal
-    wherever they appear (DCP keeps one copy of those); otherwise nothing is written. DCP then
-    writes into ``<directory>.incomplete``; once every rank reports its writes done, rank 0
-    writes the CRC32 of every item (``checksums=True``), the completion marker (file sizes,
-    SHA-256 of ``.metadata``, ``metadata``) and renames the directory to ``directory``.
+    wherever they appear (DCP keeps one copy of those); otherwise nothing is written. Each rank
+    then writes its DCP files into ``<directory>.incomplete`` (DCP's planner and file writer;
+    a chunk several ranks hold is written by one of them); once every rank reports its writes
+    done, rank 0 writes DCP's ``.metadata``, the CRC32 of every item (``checksums=True``), the
+    completion marker (file sizes, SHA-256 of ``.metadata``, ``metadata``) and renames the
+    directory to ``directory``.
 
     With ``asynchronous=True`` it returns as soon as the ranks agreed and every rank copied its
     state off the live tensors (into host memory, pinned where CUDA is), with a ``SaveHandle``;
-    DCP's write (``torch.distributed.checkpoint.async_save``), the checksums and the publish run
-    on a background thread, their collectives on a gloo group of their own. Training may step
+    the write, the checksums and the publish run on a background thread, their collectives on
+    a gloo group of their own. Training may step
     meanwhile: what is written is the copy. Every guarantee above holds (the Checkpoints page,
     "Asynchronous save"). One save is in flight per process: the next ``save_checkpoint`` or
     ``load_checkpoint`` first waits for it, and refuses, on every rank, when it failed and
@@ -133,13 +136,14 @@ def save_checkpoint(
         ValueError: On every rank, for a reserved ``directory`` name.
         FileExistsError: On every rank, when ``directory`` exists and ``overwrite`` is False
             (or it exists and is not a directory).
-        RuntimeError: ``dcp.save`` failed (a rank probably died or was killed during the
-            save: nothing was published, the previous checkpoint is untouched, the partial files
-            are in ``<directory>.incomplete``), a checkpoint collective failed or timed out (the
-            message says what is on disk: a rank that failed after the publish leaves the new
-            checkpoint published and whole), the checkpoint could not be published, the state
-            could not be staged, or the previous asynchronous save failed unreported. With
-            ``asynchronous=True`` the errors after staging are raised by ``handle.wait()``.
+        RuntimeError: Writing the files failed on some rank, or a rank died or was killed
+            during the save (nothing was published, the previous checkpoint is untouched, the
+            partial files are in ``<directory>.incomplete``), a checkpoint collective failed or
+            timed out (the message says what is on disk: a rank that failed after the publish
+            leaves the new checkpoint published and whole), the checkpoint could not be
+            published, the state could not be staged, or the previous asynchronous save failed
+            unreported. With ``asynchronous=True`` the errors after staging are raised by
+            ``handle.wait()``.
     """
     t0 = time.perf_counter()
     rank, world, _ = dist_info(process_group)
@@ -266,12 +270,14 @@ def _finish(
     t_save: float,
 ) -> str:
     """After this rank wrote its files (``written``; ``err``: why it could not): the checksums,
-    one object gather of every rank's writes (rank 0 adds the save's id), rank 0's
-    ``.metadata`` and publish, one all-reduce of its verdict. Runs on the caller's thread
-    (synchronous) or the background one (on its own group)."""
+    one object gather of every rank's report (rank 0 adds the save's id), one all-reduce
+    (every rank read the reports and every write succeeded), rank 0's ``.metadata`` and
+    publish, one all-reduce of its verdict. Runs on the caller's thread (synchronous) or the
+    background one (on its own group). Every rank issues every collective: an error of this
+    rank's before, between or after them rides in the next one, so no rank is left waiting and
+    nothing is published unless every rank got through the gather."""
     final, staging = job.final, job.staging
     t0 = time.perf_counter()
-    report: tuple[list[dict], tuple[str, str, str] | None, str | None, Written | None]
     save_id = uuid.uuid4().hex if job.rank == 0 else None
     stage = "write"
     try:
@@ -281,11 +287,16 @@ def _finish(
         stage = "checksum"
         mine = [item_record(fqn, off, info) for fqn, off, _, info, _ in written.items]
         report = (checksum_items(staging, mine) if job.checksums else mine, None, save_id, written)
-    except Exception as exc:
-        report = ([], (stage, type(exc).__name__, str(exc)[:2000]), save_id, None)
+        stage = "report"
+        payload = pickle.dumps(report, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # still reported: the gather is entered by every rank
+        failed_report: tuple = ([], (stage, type(exc).__name__, str(exc)[:2000]), save_id, None)
+        payload = pickle.dumps(failed_report, protocol=pickle.HIGHEST_PROTOCOL)
     t_crc = time.perf_counter() - t0
+    raw: list[bytes] | None = None
+    local: Failure | None = None
     try:
-        reports = gather(report, group)
+        raw = gather(payload, group)
     except RuntimeError as exc:  # a rank died, was killed or stopped before it reported
         cause = exc.__cause__ or exc
         raise RuntimeError(
@@ -293,22 +304,35 @@ def _finish(
             f"the ranks wrote their files (it did not reach the gather of their reports). "
             f"{_on_disk(final, None)} Cause: {type(cause).__name__}: {str(cause)[:1000]}"
         ) from exc
+    except Exception as exc:  # not the collective's (gloo raises RuntimeError): this rank's
+        local = failure_of(exc)  # reading of what it received; every rank got its bytes
+    # every rank reads the reports; rank 0 refuses a failed write: ONE all-reduce says whether
+    # the publish goes ahead (any rank's error here, or in a report, stops it everywhere)
+    reports: list[tuple] = []
+    try:
+        if raw is not None:
+            reports = _read_reports(raw, job.world)
+        failed = [r for r, rep in enumerate(reports) if rep[1] is not None]
+        if failed and job.rank == 0:
+            raise RuntimeError(
+                f"writing the checkpoint {final} failed on ranks {failed}: "
+                + "; ".join(
+                    f"rank {r} ({reports[r][1][0]}): {reports[r][1][1]}: {reports[r][1][2]}"
+                    for r in failed
+                )
+            )
+    except Exception as exc:
+        local = failure_of(exc)
+    raise_agreed(
+        agreed(local, group),
+        f"could not publish the checkpoint {final}. Nothing was published: the previous "
+        f"checkpoint is untouched and this save's files are in {staging}",
+    )
     save_id = reports[0][2]  # every rank now knows the id the marker will carry
 
     outcome: Failure | None = None
     if job.rank == 0:
         try:
-            failed = [r for r, rep in enumerate(reports) if rep[1] is not None]
-            if failed:
-                raise RuntimeError(
-                    f"writing the checkpoint {final} failed on ranks {failed}: "
-                    + "; ".join(
-                        f"rank {r} ({reports[r][1][0]}): {reports[r][1][1]}: {reports[r][1][2]}"
-                        for r in failed
-                    )
-                    + f". Nothing was published: the previous checkpoint is untouched and the "
-                    f"partial files are in {staging}."
-                )
             write_metadata(writer, [rep[3] for rep in reports])
             publish(
                 staging,
@@ -334,6 +358,15 @@ def _finish(
         ) from exc
     raise_agreed(verdict, f"could not publish the checkpoint {final}")
     return final
+
+
+def _read_reports(raw: list[bytes], world: int) -> list[tuple]:
+    """Every rank's report from the gathered payloads: ``(checksum rows, error, save id,
+    Written)``; one per rank."""
+    reports = [pickle.loads(b) for b in raw]
+    if len(reports) != world:
+        raise RuntimeError(f"{len(reports)} reports gathered from a group of {world} ranks")
+    return reports
 
 
 def _on_disk(final: str, save_id: str | None) -> str:
