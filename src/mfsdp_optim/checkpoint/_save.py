@@ -123,8 +123,9 @@ def save_checkpoint(
         overwrite: Replace an existing ``directory`` (atomically, once the new one is complete).
         process_group: The ranks that save (default WORLD); every rank of it must call.
         metadata: Any JSON-able dict of yours, stored in the completion marker.
-        writer_cls: The DCP storage writer class (a ``FileSystemWriter`` subclass), given to DCP.
-        thread_count: The writer's thread count, given to DCP.
+        writer_cls: The DCP storage writer class (a ``FileSystemWriter`` subclass) that writes
+            each rank's files and rank 0's ``.metadata``.
+        thread_count: The writer's thread count.
 
     Returns:
         The published checkpoint directory (as an absolute path), on every rank; with
