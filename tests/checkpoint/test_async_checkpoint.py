@@ -188,6 +188,100 @@ def test_errors_reach_every_rank_on_wait_or_on_the_next_call(ranks, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------
+# An exception on one rank of the background's collectives, the rank kept alive: before the
+# report gather (its report does not pickle), during it (it cannot unpickle what it received),
+# after it (its own step after the gather, before the all-reduce that allows the publish)
+
+BG_THREAD = "mfsdp-async-save"
+
+
+class _FailingLoads:
+    """The ``pickle`` module as ``comm`` uses it, whose first ``loads`` on rank 1's background
+    thread fails: the gather's exchange is complete, this rank cannot read what it brought."""
+
+    HIGHEST_PROTOCOL = __import__("pickle").HIGHEST_PROTOCOL
+    dumps = staticmethod(__import__("pickle").dumps)
+    failed = False
+
+    @classmethod
+    def loads(cls, data):
+        import pickle
+
+        bg = threading.current_thread().name == BG_THREAD
+        if dist.get_rank() == 1 and bg and not cls.failed:
+            cls.failed = True
+            raise pickle.UnpicklingError("injected: the gathered payload is unreadable")
+        return pickle.loads(data)
+
+
+def _rank_background_fault(root, point):
+    from mfsdp_optim._infra import comm
+    from mfsdp_optim.checkpoint import _save
+
+    good, new = os.path.join(root, "good"), os.path.join(root, f"new_{point}")
+    m = _trained()
+    sd = _state(m)
+    want = global_state(sd["optimizer"]), global_params(m)
+    save_checkpoint(sd, good)
+    m.step(3)
+    hit = lambda: dist.get_rank() == 1 and threading.current_thread().name == BG_THREAD  # noqa: E731
+    real = (_save.item_record, comm.pickle, getattr(_save, "_read_reports", None))
+
+    def item_record(*args):
+        rec = real[0](*args)
+        if hit():
+            rec["hook"] = lambda: None  # does not pickle
+        return rec
+
+    def read_reports(raw, world):
+        out = real[2](raw, world)
+        if hit():
+            raise ValueError("injected: rank 1 fails after the gather")
+        return out
+
+    if point == "before":
+        _save.item_record = item_record
+    elif point == "during":
+        comm.pickle = _FailingLoads
+    else:
+        _save._read_reports = read_reports
+    try:
+        handle = save_checkpoint(_state(m), new, asynchronous=True)
+        m.step(4)  # training goes on meanwhile
+        out = {"wait": _timed(lambda: handle.wait(timeout=60))}
+    finally:
+        _save.item_record, comm.pickle = real[:2]
+        if point == "after":
+            _save._read_reports = real[2]
+    # the background group is still in step on every rank: the next save goes through
+    out["next"] = _timed(
+        lambda: save_checkpoint(_state(m), new + "_next", asynchronous=True).wait(timeout=60)
+    )
+    dist.barrier()
+    out["previous"] = same(_load_fresh(good), want)
+    out["new"] = _timed(lambda: _load_fresh(new))
+    out["listing"] = sorted(n for n in os.listdir(root) if n.startswith(f"new_{point}"))
+    return out
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("point", ["before", "during", "after"])
+def test_background_fault_on_one_live_rank_reaches_every_rank(ranks, tmp_path, point):
+    out = ranks(2).run(_rank_background_fault, str(tmp_path), point, timeout=140)
+    # one error on every rank: the failing rank's class where the protocol keeps it, else
+    # RuntimeError
+    assert len({res["wait"][0] for res in out}) == 1, [res["wait"] for res in out]
+    for rank, res in enumerate(out):
+        name, msg, elapsed = res["wait"]
+        assert name in ("RuntimeError", "ValueError") and elapsed < FAST_S, (rank, res["wait"])
+        assert "Nothing was published" in msg and "rank 1" in msg, (rank, msg)
+        assert res["next"] is None, (rank, res["next"])
+        assert res["previous"], f"rank {rank}: the previous checkpoint changed"
+        assert res["new"][0] in ("IncompleteCheckpointError", "FileNotFoundError"), res["new"]
+        assert res["listing"] == [f"new_{point}.incomplete", f"new_{point}_next"], res["listing"]
+
+
+# ------------------------------------------------------------------------------------------
 # SIGKILL at each stage of an asynchronous save: a separately spawned group of processes
 
 PG_TIMEOUT_S = 6.0  # the spawned group's; survivors must give up within it (plus slack)

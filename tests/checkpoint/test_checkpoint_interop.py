@@ -393,3 +393,86 @@ def test_converters_share_tensors_and_do_not_mutate(layout):
         assert osd["state"]["a"]["step"] is step and osd["state"]["a"]["exp_avg"] is t
     with pytest.raises(ValueError, match="flattened"):
         from_torch_state_dict({"state": {"state.a.exp_avg": t}, "param_groups": []})
+
+
+# ------------------------------------------------------------------------------------------
+# save_checkpoint writes each rank's files without dcp.save's collectives and rank 0 writes
+# .metadata itself: it must be DCP's, chunk for chunk, and plain dcp.load must read the files
+
+
+def _chunks(md):
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    out = {}
+    for key, m in md.state_dict_metadata.items():
+        if isinstance(m, TensorStorageMetadata):
+            p = m.properties
+            chunks = sorted((tuple(c.offsets), tuple(c.sizes)) for c in m.chunks)
+            out[key] = (tuple(m.size), p.dtype, p.layout, chunks)
+        else:
+            out[key] = type(m).__name__
+    return out
+
+
+def _rank_same_files_as_dcp(root, layout):
+    from mfsdp_optim.checkpoint import safe_read_metadata, save_checkpoint
+
+    m = Model(layout, "adamw")
+    m.step(0)
+    rank = torch.distributed.get_rank()
+    sd = {
+        "optimizer": build_sharded_state_dict(m.optimizer, m.records),
+        "extra": {"scale": 2.0**16, "tag": "run-7", "table": torch.arange(40.0).view(5, 8)},
+    }
+    saved = global_state(sd["optimizer"])
+    ours, stock = os.path.join(root, "ours"), os.path.join(root, "stock")
+    save_checkpoint(sd, ours)
+    dcp.save(sd, checkpoint_id=stock)
+    torch.distributed.barrier()
+    md_ours, md_stock = safe_read_metadata(ours), safe_read_metadata(stock)
+    # every item written once: the storage entries are exactly the metadata's chunks
+    entries = sorted(
+        (i.fqn, tuple(i.offset) if i.offset is not None else None) for i in md_ours.storage_data
+    )
+    want = sorted(
+        (k, tuple(c.offsets) if hasattr(m, "chunks") else None)
+        for k, m in md_ours.state_dict_metadata.items()
+        for c in (m.chunks if hasattr(m, "chunks") else [None])
+    )
+    files = sorted({s.relative_path for s in md_ours.storage_data.values()})
+    # plain dcp.load (torch's own reader and planner) into fresh targets
+    fresh = Model(layout, "adamw", lr_scale=5.0)
+    target = {
+        "optimizer": build_sharded_state_dict(fresh.optimizer, fresh.records, is_loading=True),
+        "extra": {"scale": 0.0, "tag": "", "table": torch.zeros(5, 8)},
+    }
+    dcp.load(target, checkpoint_id=ours)
+    load_sharded_state_dict(fresh.optimizer, fresh.records, target["optimizer"])
+    loaded = global_state(build_sharded_state_dict(fresh.optimizer, fresh.records))
+    return {
+        "rank": rank,
+        "same_chunks": _chunks(md_ours) == _chunks(md_stock),
+        "same_mappings": md_ours.planner_data == md_stock.planner_data,
+        "entries_match": entries == want,
+        "files": files,
+        "loads": same(loaded, saved),
+        "extra": (target["extra"]["scale"], target["extra"]["tag"], target["extra"]["table"]),
+    }
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("layout", ["hsdp", "tp_fsdp"])
+def test_save_checkpoint_writes_what_dcp_save_writes(ranks, tmp_path, layout):
+    # 4 ranks: replicated mesh dimensions (each chunk written by one of its holders), a strided
+    # shard, chunks empty on some ranks, plain tensors and objects (written by one rank)
+    out = ranks(4).run(_rank_same_files_as_dcp, str(tmp_path), layout)
+    for res in out:
+        assert res["same_chunks"] and res["same_mappings"] and res["entries_match"], res
+        assert res["loads"], res
+        scale, tag, table = res["extra"]
+        assert (
+            scale == 2.0**16
+            and tag == "run-7"
+            and torch.equal(table, torch.arange(40.0).view(5, 8))
+        )
+    assert set(out[0]["files"]) <= {f"__{r}_0.distcp" for r in range(4)}, out[0]

@@ -4,8 +4,8 @@ Map: ``SaveHandle`` (what ``save_checkpoint(..., asynchronous=True)`` returns: `
 ``done``); ``stage`` (the copy: one host buffer per dtype, pinned where the state is on CUDA,
 reused from one save to the next); ``background_group`` (a gloo group of the
 saving ranks, made once per group, for the background's collectives, so they never interleave
-with training's); ``start`` (hands the staged copy to ``torch.distributed.checkpoint.async_save``
-and finishes the save, checksums and publish included, on a background thread); ``settle`` (the
+with training's); ``start`` (writes the staged copy and finishes the save, checksums and
+publish included, on a background thread); ``settle`` (the
 next save or load first waits for the one in flight and takes its error if ``wait`` never
 raised it).
 
@@ -238,61 +238,16 @@ def stage(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     return {k: fill(v) for k, v in shape.items()}
 
 
-class _AlreadyStaged:
-    """The ``AsyncStager`` handed to ``async_save``: the state was staged (and the ranks agreed
-    it was) before, so nothing is copied again."""
-
-    _synchronize_after_execute = False
-
-    @property
-    def should_synchronize_after_execute(self) -> bool:
-        return False
-
-    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def start(
-    directory: str,
-    staged: dict[str, Any],
-    writer: Any,
-    group: dist.ProcessGroup | None,
-    finish: Callable[[BaseException | None], str],
-    blocking_t0: float,
-) -> SaveHandle:
-    """``async_save`` of ``staged`` on ``group`` (the background group), then ``finish`` (the
-    checksums, the report gather and the publish, on ``group`` too) on a background thread;
-    ``finish`` gets DCP's error, if any, and raises or returns the published directory."""
+def start(directory: str, work: Callable[[], str], blocking_t0: float) -> SaveHandle:
+    """Run ``work`` (the write, the checksums, the report gather and the publish, every
+    collective on the background group) on a background thread; its result or error completes
+    the handle."""
     global _IN_FLIGHT
-    import torch.distributed.checkpoint as dcp
-
     result: Future = Future()
-    dcp_future: Any
-    try:
-        dcp_future = dcp.async_save(
-            staged,
-            storage_writer=writer,
-            process_group=group,
-            async_stager=_AlreadyStaged(),  # type: ignore[arg-type]
-        )
-    except BaseException as exc:  # noqa: BLE001 - handed to finish, which agrees on it
-        dcp_future = Future()
-        dcp_future.set_exception(exc)
 
     def run() -> None:
         try:
-            err = None
-            try:
-                dcp_future.result()
-            except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException included
-                err = exc
-            result.set_result(finish(err))
+            result.set_result(work())
         except BaseException as exc:  # noqa: BLE001 - every error goes to the handle
             result.set_exception(exc)
 

@@ -69,10 +69,11 @@ def _crc_range(f, start: int, length: int) -> int:
     return crc
 
 
-def item_record(index, info) -> dict:
+def item_record(fqn: str, offset, info) -> dict:
+    """One row of the checksums file: the item's key, chunk offset, file and byte range."""
     return {
-        "key": index.fqn,
-        "chunk": None if index.offset is None else list(index.offset),
+        "key": fqn,
+        "chunk": None if offset is None else list(offset),
         "file": info.relative_path,
         "start": int(info.offset),
         "length": int(info.length),

@@ -1,7 +1,6 @@
 """Publishing a checkpoint: staged, then renamed into place only once it is whole.
 
 Map: ``check_name`` refuses the names reserved for staging and replaced directories;
-``capturing`` makes a DCP writer remember what it wrote (file, offset, length per item);
 ``publish`` (rank 0, after every rank reported its writes) writes the checksums and the
 completion marker durably (``write_json``: fsync, atomic rename) and renames the staging
 directory to the final name, or swaps it with the old checkpoint in one atomic
@@ -27,7 +26,7 @@ from ._integrity import (
     sha256,
 )
 
-__all__ = ["capturing", "check_name", "publish", "write_json"]
+__all__ = ["check_name", "publish", "write_json"]
 
 
 def check_name(final: str) -> None:
@@ -68,19 +67,6 @@ def write_json(path: str, obj: Any, *, compact: bool = False) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def capturing(writer_cls: type) -> type:
-    """``writer_cls`` that remembers this rank's WriteResults (file, offset, length per item)."""
-
-    class _Capturing(writer_cls):  # type: ignore[misc, valid-type]
-        def write_data(self, plan, planner):
-            fut = super().write_data(plan, planner)
-            self.mfsdp_results = list(fut.wait())
-            return fut
-
-    _Capturing.__name__ = f"Capturing{writer_cls.__name__}"
-    return _Capturing
 
 
 def publish(

@@ -3,13 +3,15 @@ which refuses incomplete, damaged or foreign ones before a byte reaches the live
 ``_staged`` and re-exported here).
 
 Map: ``_consensus`` agrees on what every rank saves or loads (ONE all-reduce of a digest; the
-detail only when it differs or a rank failed); ``_publish`` stages and publishes atomically;
+detail only when it differs or a rank failed); ``_write`` writes each rank's files with DCP's
+planner and writer, without ``dcp.save``'s collectives (the agreement fixed who writes what),
+and rank 0 DCP's ``.metadata`` from the reports; ``_publish`` stages and publishes atomically;
 ``_integrity`` checks completeness and checksums; ``_async`` stages and writes in the background.
-Collectives of ``save_checkpoint``: that all-reduce, ``dcp.save``'s own, one object gather
-(every rank's writes and checksums, rank 0's save id), one all-reduce (the publish verdict); the
-asynchronous save adds one all-reduce (every rank staged) and runs all but the first on its own
-gloo group. Of ``load_checkpoint``: that all-reduce, one all-reduce (every rank loaded); DCP's
-load runs without collectives.
+Collectives of ``save_checkpoint``: that all-reduce, one object gather (every rank's writes and
+checksums, rank 0's save id), one all-reduce (the publish verdict); the asynchronous save adds
+one all-reduce (every rank staged) and runs the last two on its own gloo group. Of
+``load_checkpoint``: that all-reduce, one all-reduce (every rank loaded); DCP's load runs
+without collectives.
 The on-disk layout and its guarantees: docs/reliability.md.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import time
 import uuid
@@ -52,8 +55,9 @@ from ._integrity import (
     checksum_items,
     item_record,
 )
-from ._publish import capturing, check_name, publish
+from ._publish import check_name, publish
 from ._staged import load_checkpoint
+from ._write import Written, plain_writers, write_files, write_metadata
 
 __all__ = [
     "CHECKSUMS_FILE",
@@ -86,15 +90,17 @@ def save_checkpoint(
     Every rank of ``process_group`` calls it with its own state dict. First the ranks check,
     with one collective, that they agree on what they save: every DTensor key on exactly the
     ranks of its mesh with one global shape, dtype and layout, and plain tensors / objects equal
-    wherever they appear (DCP keeps one copy of those); otherwise nothing is written. DCP then
-    writes into ``<directory>.incomplete``; once every rank reports its writes done, rank 0
-    writes the CRC32 of every item (``checksums=True``), the completion marker (file sizes,
-    SHA-256 of ``.metadata``, ``metadata``) and renames the directory to ``directory``.
+    wherever they appear (DCP keeps one copy of those); otherwise nothing is written. Each rank
+    then writes its DCP files into ``<directory>.incomplete`` (DCP's planner and file writer;
+    a chunk several ranks hold is written by one of them); once every rank reports its writes
+    done, rank 0 writes DCP's ``.metadata``, the CRC32 of every item (``checksums=True``), the
+    completion marker (file sizes, SHA-256 of ``.metadata``, ``metadata``) and renames the
+    directory to ``directory``.
 
     With ``asynchronous=True`` it returns as soon as the ranks agreed and every rank copied its
     state off the live tensors (into host memory, pinned where CUDA is), with a ``SaveHandle``;
-    DCP's write (``torch.distributed.checkpoint.async_save``), the checksums and the publish run
-    on a background thread, their collectives on a gloo group of their own. Training may step
+    the write, the checksums and the publish run on a background thread, their collectives on
+    a gloo group of their own. Training may step
     meanwhile: what is written is the copy. Every guarantee above holds (the Checkpoints page,
     "Asynchronous save"). One save is in flight per process: the next ``save_checkpoint`` or
     ``load_checkpoint`` first waits for it, and refuses, on every rank, when it failed and
@@ -117,8 +123,9 @@ def save_checkpoint(
         overwrite: Replace an existing ``directory`` (atomically, once the new one is complete).
         process_group: The ranks that save (default WORLD); every rank of it must call.
         metadata: Any JSON-able dict of yours, stored in the completion marker.
-        writer_cls: The DCP storage writer class (a ``FileSystemWriter`` subclass), given to DCP.
-        thread_count: The writer's thread count, given to DCP.
+        writer_cls: The DCP storage writer class (a ``FileSystemWriter`` subclass) that writes
+            each rank's files and rank 0's ``.metadata``.
+        thread_count: The writer's thread count.
 
     Returns:
         The published checkpoint directory (as an absolute path), on every rank; with
@@ -130,13 +137,14 @@ def save_checkpoint(
         ValueError: On every rank, for a reserved ``directory`` name.
         FileExistsError: On every rank, when ``directory`` exists and ``overwrite`` is False
             (or it exists and is not a directory).
-        RuntimeError: ``dcp.save`` failed (a rank probably died or was killed during the
-            save: nothing was published, the previous checkpoint is untouched, the partial files
-            are in ``<directory>.incomplete``), a checkpoint collective failed or timed out (the
-            message says what is on disk: a rank that failed after the publish leaves the new
-            checkpoint published and whole), the checkpoint could not be published, the state
-            could not be staged, or the previous asynchronous save failed unreported. With
-            ``asynchronous=True`` the errors after staging are raised by ``handle.wait()``.
+        RuntimeError: Writing the files failed on some rank, or a rank died or was killed
+            during the save (nothing was published, the previous checkpoint is untouched, the
+            partial files are in ``<directory>.incomplete``), a checkpoint collective failed or
+            timed out (the message says what is on disk: a rank that failed after the publish
+            leaves the new checkpoint published and whole), the checkpoint could not be
+            published, the state could not be staged, or the previous asynchronous save failed
+            unreported. With ``asynchronous=True`` the errors after staging are raised by
+            ``handle.wait()``.
     """
     t0 = time.perf_counter()
     rank, world, _ = dist_info(process_group)
@@ -161,6 +169,7 @@ def save_checkpoint(
         prep = prep or failure_of(exc)
     sig: dict[str, tuple] = {}
     try:
+        state_dict = _unwrap_stateful(state_dict)
         sig = signatures(state_dict, values=True)
         digest = sig_digest(sig, final)
     except Exception as exc:  # never leave the others waiting in the collective
@@ -173,10 +182,17 @@ def save_checkpoint(
         ranks = group_ranks(process_group, world)
         if verdict.same:
             errors = check_uniform(sig, ranks)
+            everyone = list(range(world))
+            plain = plain_writers({k: (s, everyone) for k, s in sig.items()})
         else:
             assert verdict.details is not None
             agree_on_directory([d[1] for d in verdict.details], "save into", "nothing written")
             errors = check_agreement([d[0] for d in verdict.details], ranks)
+            holders: dict[str, tuple[tuple, list[int]]] = {}
+            for i, (s_i, _) in enumerate(verdict.details):
+                for k, s in s_i.items():
+                    holders.setdefault(k, (s, []))[1].append(i)
+            plain = plain_writers(holders)
         if errors:
             raise_agreed(
                 {0: Failure("RankDisagreementError", ("\n  ".join(errors[:30]),))},
@@ -203,29 +219,35 @@ def save_checkpoint(
         raise
 
     job = _Job(final, staging, rank, world, checksums, overwrite, metadata)
-    writer = capturing(writer_cls)(staging, thread_count=thread_count)
-    if not asynchronous:
-        import torch.distributed.checkpoint as dcp
-
-        t_write = time.perf_counter()
-        err: BaseException | None = None
-        try:
-            dcp.save(dict(state_dict), storage_writer=writer, process_group=process_group)
-        except BaseException as exc:  # DCP's CheckpointException is a BaseException
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            err = exc
-        return _finish(job, writer, err, process_group, time.perf_counter() - t_write)
-
-    t_write = time.perf_counter()
-    return _async.start(
-        final,
-        staged,
-        writer,
-        group,
-        lambda err: _finish(job, writer, err, group, time.perf_counter() - t_write),
-        t0,
+    writer = writer_cls(staging, thread_count=thread_count)
+    where = (
+        dist.get_rank() if dist_info(process_group)[2] else 0,
+        frozenset(ranks),
+        plain,
+        not verdict.same,
     )
+
+    def write_and_finish(sd: Mapping[str, Any], on: dist.ProcessGroup | None) -> str:
+        t_write = time.perf_counter()
+        written: Written | None = None
+        err: Exception | None = None
+        try:
+            written = write_files(sd, writer, rank, *where)
+        except Exception as exc:  # reported in the gather: nobody is left waiting
+            err = exc
+        return _finish(job, writer, written, err, on, time.perf_counter() - t_write)
+
+    if not asynchronous:
+        return write_and_finish(state_dict, process_group)
+    return _async.start(final, lambda: write_and_finish(staged, group), t0)
+
+
+def _unwrap_stateful(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with every ``Stateful`` value replaced by its ``state_dict()`` (what
+    ``dcp.save`` saves of it), before the ranks agree on what they save."""
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
 
 
 class _Job(NamedTuple):
@@ -243,45 +265,80 @@ class _Job(NamedTuple):
 def _finish(
     job: _Job,
     writer: Any,
+    written: Written | None,
     err: BaseException | None,
     group: dist.ProcessGroup | None,
     t_save: float,
 ) -> str:
-    """After ``dcp.save`` (``err``: its error): the checksums, one object gather of every
-    rank's writes (rank 0 adds the save's id), rank 0's publish, one all-reduce of its verdict.
-    Runs on the caller's thread (synchronous) or the background one (on its own group)."""
+    """After this rank wrote its files (``written``; ``err``: why it could not): the checksums,
+    one object gather of every rank's report (rank 0 adds the save's id), one all-reduce
+    (every rank read the reports and every write succeeded), rank 0's ``.metadata`` and
+    publish, one all-reduce of its verdict. Runs on the caller's thread (synchronous) or the
+    background one (on its own group). Every rank issues every collective: an error of this
+    rank's before, between or after them rides in the next one, so no rank is left waiting and
+    nothing is published unless every rank got through the gather."""
     final, staging = job.final, job.staging
-    if err is not None:
-        raise RuntimeError(
-            f"dcp.save of {final} failed ({type(err).__name__}: {str(err)[:2000]}); a rank "
-            "probably died or was killed during the save. Nothing was published: the previous "
-            f"checkpoint is untouched and the partial files are in {staging}."
-        ) from err
     t0 = time.perf_counter()
-    report: tuple[list[dict], tuple[str, str] | None, str | None]
     save_id = uuid.uuid4().hex if job.rank == 0 else None
+    stage = "write"
     try:
-        mine = [item_record(r.index, r.storage_data) for r in getattr(writer, "mfsdp_results", [])]
-        report = (checksum_items(staging, mine) if job.checksums else mine, None, save_id)
-    except Exception as exc:
-        report = ([], (type(exc).__name__, str(exc)), save_id)
+        if err is not None:
+            raise err
+        assert written is not None
+        stage = "checksum"
+        mine = [item_record(fqn, off, info) for fqn, off, _, info, _ in written.items]
+        report = (checksum_items(staging, mine) if job.checksums else mine, None, save_id, written)
+        stage = "report"
+        payload = pickle.dumps(report, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # still reported: the gather is entered by every rank
+        failed_report: tuple = ([], (stage, type(exc).__name__, str(exc)[:2000]), save_id, None)
+        payload = pickle.dumps(failed_report, protocol=pickle.HIGHEST_PROTOCOL)
     t_crc = time.perf_counter() - t0
-    reports = gather(report, group)
+    raw: list[bytes] | None = None
+    local: Failure | None = None
+    try:
+        raw = gather(payload, group)
+    except RuntimeError as exc:  # a rank died, was killed or stopped before it reported
+        cause = exc.__cause__ or exc
+        raise RuntimeError(
+            f"writing the checkpoint {final} failed: a rank died, was killed or stopped while "
+            f"the ranks wrote their files (it did not reach the gather of their reports). "
+            f"{_on_disk(final, None)} Cause: {type(cause).__name__}: {str(cause)[:1000]}"
+        ) from exc
+    except Exception as exc:  # not the collective's (gloo raises RuntimeError): this rank's
+        local = failure_of(exc)  # reading of what it received; every rank got its bytes
+    # every rank reads the reports; rank 0 refuses a failed write: ONE all-reduce says whether
+    # the publish goes ahead (any rank's error here, or in a report, stops it everywhere)
+    reports: list[tuple] = []
+    try:
+        if raw is not None:
+            reports = _read_reports(raw, job.world)
+        failed = [r for r, rep in enumerate(reports) if rep[1] is not None]
+        if failed and job.rank == 0:
+            raise RuntimeError(
+                f"writing the checkpoint {final} failed on ranks {failed}: "
+                + "; ".join(
+                    f"rank {r} ({reports[r][1][0]}): {reports[r][1][1]}: {reports[r][1][2]}"
+                    for r in failed
+                )
+            )
+    except Exception as exc:
+        local = failure_of(exc)
+    raise_agreed(
+        agreed(local, group),
+        f"could not publish the checkpoint {final}. Nothing was published: the previous "
+        f"checkpoint is untouched and this save's files are in {staging}",
+    )
     save_id = reports[0][2]  # every rank now knows the id the marker will carry
 
     outcome: Failure | None = None
     if job.rank == 0:
         try:
-            failed = [r for r, (_, e, _) in enumerate(reports) if e is not None]
-            if failed:
-                raise RuntimeError(
-                    f"ranks {failed} could not checksum their files: "
-                    f"{[reports[r][1] for r in failed]}"
-                )
+            write_metadata(writer, [rep[3] for rep in reports])
             publish(
                 staging,
                 final,
-                [(items, e) for items, e, _ in reports],
+                [(rep[0], None) for rep in reports],
                 job.checksums,
                 job.overwrite,
                 job.world,
@@ -302,6 +359,15 @@ def _finish(
         ) from exc
     raise_agreed(verdict, f"could not publish the checkpoint {final}")
     return final
+
+
+def _read_reports(raw: list[bytes], world: int) -> list[tuple]:
+    """Every rank's report from the gathered payloads: ``(checksum rows, error, save id,
+    Written)``; one per rank."""
+    reports = [pickle.loads(b) for b in raw]
+    if len(reports) != world:
+        raise RuntimeError(f"{len(reports)} reports gathered from a group of {world} ranks")
+    return reports
 
 
 def _on_disk(final: str, save_id: str | None) -> str:
