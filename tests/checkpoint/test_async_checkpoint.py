@@ -517,3 +517,25 @@ def test_async_save_in_one_process_without_a_process_group(tmp_path):
         load_checkpoint(target, path)
     assert torch.equal(target["optimizer"]["state"]["w"]["exp_avg"], torch.ones(4))
     assert target["optimizer"]["param_to_group_meta"]["w"]["lr"] == 0.1
+
+
+def test_stage_reuses_its_views_only_for_the_same_shapes():
+    """The host views are kept from one save to the next: a change of shapes (same total size,
+    so the same buffer), of the tensor count or of a dtype is seen; the same shapes get the new
+    values, never the previous save's."""
+    from mfsdp_optim.checkpoint._async import stage
+
+    def check(live: dict) -> dict:
+        got = stage(live)
+        for k, v in live.items():
+            assert got[k].shape == v.shape and got[k].dtype == v.dtype, k
+            assert torch.equal(got[k], v), k
+        return got
+
+    first = check({"a": torch.arange(12.0).view(3, 4), "b": torch.arange(4.0)})
+    again = check({"a": torch.arange(12.0).view(3, 4) + 7, "b": torch.arange(4.0) - 1})
+    assert again["a"].data_ptr() == first["a"].data_ptr()  # the same buffer, refilled
+    check({"a": torch.arange(12.0).view(4, 3), "b": torch.arange(4.0).view(2, 2)})  # reshaped
+    check({"a": torch.arange(12.0).view(3, 4), "b": torch.arange(2.0), "c": torch.ones(2)})
+    check({"a": torch.arange(16.0)})  # fewer tensors, same total
+    check({"a": torch.arange(12.0).view(3, 4), "b": torch.arange(4, dtype=torch.int32)})

@@ -111,21 +111,20 @@ def flat(state_dict: Mapping) -> dict[str, Any]:
     return out
 
 
-def _signature(value: Any, values: bool, meshes: dict[int, tuple]) -> tuple:
+def _signature(value: Any, values: bool, meshes: dict[Any, tuple]) -> tuple:
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
-        m = value.device_mesh
+        spec = value._spec
+        m = spec.mesh
         ranks = meshes.get(id(m))
         if ranks is None:
             ranks = meshes[id(m)] = tuple(torch.as_tensor(m.mesh).flatten().tolist())
-        return (
-            "dtensor",
-            tuple(value.shape),
-            str(value.dtype),
-            ranks,
-            tuple(str(p) for p in value.placements),
-        )
+        # the placements' text, looked up by the placements themselves (equal tuples, same text)
+        placed = meshes.get(spec.placements)
+        if placed is None:
+            placed = meshes[spec.placements] = tuple(str(p) for p in spec.placements)
+        return ("dtensor", tuple(value.shape), str(value.dtype), ranks, placed)
     if isinstance(value, torch.Tensor):
         shown = value.detach().cpu().flatten().tolist() if values and value.numel() <= 16 else None
         return ("tensor", tuple(value.shape), str(value.dtype), shown)
@@ -136,7 +135,7 @@ def _signature(value: Any, values: bool, meshes: dict[int, tuple]) -> tuple:
 
 
 def signatures(state_dict: Mapping, values: bool) -> dict[str, tuple]:
-    meshes: dict[int, tuple] = {}
+    meshes: dict[Any, tuple] = {}  # per call: mesh id -> ranks, placements -> their text
     return {k: _signature(v, values, meshes) for k, v in flat(state_dict).items()}
 
 
