@@ -539,3 +539,42 @@ def test_stage_reuses_its_views_only_for_the_same_shapes():
     check({"a": torch.arange(12.0).view(3, 4), "b": torch.arange(2.0), "c": torch.ones(2)})
     check({"a": torch.arange(16.0)})  # fewer tensors, same total
     check({"a": torch.arange(12.0).view(3, 4), "b": torch.arange(4, dtype=torch.int32)})
+
+
+def _placement_texts(tmp: str) -> tuple[dict, str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from mfsdp_optim.checkpoint import RankDisagreementError
+    from mfsdp_optim.checkpoint._consensus import signatures
+
+    mesh = init_device_mesh("cpu", (2,))
+    place = {"a": [Shard(0)], "b": [Replicate()], "c": [Shard(0)], "d": [Replicate()]}
+    if dist.get_rank() == 1:
+        place["d"] = [Shard(0)]  # global shape (4, 2) both ways: only the placement differs
+    local = {"a": (2, 2), "b": (4, 2), "c": (2, 2), "d": (4, 2) if dist.get_rank() == 0 else (2, 2)}
+    sd = {
+        "s": {
+            k: DTensor.from_local(torch.zeros(local[k]), mesh, place[k], run_check=False)
+            for k in place
+        }
+    }
+    texts = {k: s[4] for k, s in signatures(sd, values=True).items()}
+    try:
+        save_checkpoint(sd, os.path.join(tmp, "placed"), asynchronous=True).wait(timeout=60)
+    except RankDisagreementError as exc:
+        return texts, str(exc)
+    return texts, ""
+
+
+def test_signatures_render_each_placement_as_its_own_text(ranks, tmp_path):
+    """The placements' text is computed once per placements tuple in a call: keys of different
+    placements keep different texts, and a placement differing across ranks is refused."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    shard, rep = (str(Shard(0)),), (str(Replicate()),)
+    out = ranks(2).run(_placement_texts, str(tmp_path))
+    for rank, (texts, err) in enumerate(out):
+        want = {"s.a": shard, "s.b": rep, "s.c": shard, "s.d": rep if rank == 0 else shard}
+        assert texts == want, (rank, texts)
+        assert "'s.d'" in err and "'s.a'" not in err, (rank, err)
