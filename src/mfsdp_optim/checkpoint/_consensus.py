@@ -29,6 +29,7 @@ __all__ = [
     "RankDisagreementError",
     "agree_on_directory",
     "agreed",
+    "collective_failed",
     "check_agreement",
     "check_uniform",
     "dist_info",
@@ -58,7 +59,7 @@ def group_ranks(group, world: int) -> list[int]:
     return list(dist.get_process_group_ranks(group))
 
 
-def _collective_failed(exc: BaseException) -> RuntimeError:
+def collective_failed(exc: BaseException) -> RuntimeError:
     return RuntimeError(
         "a checkpoint collective failed or timed out: some rank of the process group did not "
         "reach save_checkpoint/load_checkpoint (it died, was killed, or is running other code); "
@@ -71,7 +72,7 @@ def agreed(outcome: Failure | None, group, **kwargs: Any) -> Verdict:
     try:
         return agreement.agree(outcome, group, **kwargs)
     except RuntimeError as exc:
-        raise _collective_failed(exc) from exc
+        raise collective_failed(exc) from exc
 
 
 def gather(obj: Any, group) -> list[Any]:
@@ -81,7 +82,7 @@ def gather(obj: Any, group) -> list[Any]:
     try:
         return all_gather_objects(obj, group)
     except RuntimeError as exc:
-        raise _collective_failed(exc) from exc
+        raise collective_failed(exc) from exc
 
 
 KINDS: dict[str, type[BaseException]] = {

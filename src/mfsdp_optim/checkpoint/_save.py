@@ -37,6 +37,7 @@ from ._consensus import (
     agreed,
     check_agreement,
     check_uniform,
+    collective_failed,
     dist_info,
     gather,
     group_ranks,
@@ -212,7 +213,10 @@ def save_checkpoint(
             )
             # the background's collectives on a gloo group of their own (none in one process)
             distributed = dist_info(process_group)[2]
-            group = _async.background_group(process_group, ranks) if distributed else None
+            try:  # a collective setup: a peer that died meanwhile fails it on this rank
+                group = _async.background_group(process_group, ranks) if distributed else None
+            except RuntimeError as exc:
+                raise collective_failed(exc) from exc
     except BaseException:
         if created:  # rank 0's empty staging directory: leave nothing behind
             shutil.rmtree(staging, ignore_errors=True)
