@@ -294,9 +294,7 @@ class VerdictSlots:
                 self._cache.clear()
             args = [float("nan")] * len(self.names) if failed else [float(v) for v in values]
             row = [1.0 if failed else 0.0, *args, self.magic]
-            host = torch.tensor(row, dtype=torch.float64)
-            if device.type == "cuda":  # pinned: the first copy does not wait for the stream
-                host = host.pin_memory()
+            host = comm.staged_for(device, row, torch.float64)
             slots = self._cache[key] = host.to(device, non_blocking=True)
         return slots
 

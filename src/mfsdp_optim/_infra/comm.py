@@ -1,5 +1,6 @@
-"""Collective plumbing shared by the layers: the group's device, a numpy-free object gather, and
-host reads that wait for the values they read, not for everything enqueued after them."""
+"""Collective plumbing shared by the layers: the group's device, a numpy-free object gather,
+host reads that wait for the values they read, not for everything enqueued after them, and
+host values staged for a copy to the device that does not make the host wait."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["SENT", "HostRead", "all_gather_objects", "all_reduce_max", "collective_device"]
+__all__ = [
+    "SENT",
+    "HostRead",
+    "all_gather_objects",
+    "all_reduce_max",
+    "collective_device",
+    "staged_for",
+]
 
 # bytes this process handed to collectives through these helpers, per helper: what a rank
 # contributes (its input), the measure of how a protocol's traffic grows with the world size
@@ -26,6 +34,15 @@ def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     if "xccl" in backend and hasattr(torch, "xpu") and torch.xpu.is_available():
         return torch.device("xpu", torch.xpu.current_device())
     return torch.device("cpu")
+
+
+def staged_for(device: torch.device, values: list[float], dtype: torch.dtype) -> torch.Tensor:
+    """``values`` as a host tensor to copy to ``device`` with ``non_blocking=True``: in pinned
+    memory when ``device`` is CUDA. A copy from pageable memory may make the host wait for the
+    stream (it would stall behind the kernel it has just launched); from pinned memory it is
+    enqueued, and the caching host allocator keeps the block until the copy has run."""
+    host = torch.tensor(values, dtype=dtype)
+    return host.pin_memory() if device.type == "cuda" else host
 
 
 class HostRead:

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from .._infra.comm import staged_for
+
 __all__ = [
     "MIN_REPLAYS",
     "Counters",
@@ -119,10 +121,7 @@ class ScalarSlots:
         return True
 
     def _upload(self) -> None:
-        staging = torch.tensor(self.host, dtype=self.dtype)
-        if self.device.type == "cuda":
-            staging = staging.pin_memory()
-        self.tensor.copy_(staging, non_blocking=True)
+        self.tensor.copy_(staged_for(self.device, self.host, self.dtype), non_blocking=True)
         self.uploads += 1
 
 

@@ -357,9 +357,7 @@ def _presence_slots(device: torch.device, presence: tuple[int, int]) -> torch.Te
     if slots is None:
         if len(_PRESENCE_CACHE) >= 64:
             _PRESENCE_CACHE.clear()
-        host = torch.tensor(key[1:], dtype=torch.float64)
-        if device.type == "cuda":  # pinned: the first copy does not wait for the stream
-            host = host.pin_memory()
+        host = comm.staged_for(device, [float(v) for v in key[1:]], torch.float64)
         slots = _PRESENCE_CACHE[key] = host.to(device, non_blocking=True)
     return slots
 
