@@ -14,7 +14,7 @@ a slow spell of a shared host hits them alike; the device drained before each ti
 * ``launch`` (CUDA only): the graph's replay alone;
 
 for two versions of the check, in one run: ``before``, the check as it stood before its rewrite
-(grads and the params' local tensors by identity), kept verbatim below as ``_Before``, and
+(grads and the params' local tensors by identity), kept below as ``_Before``, and
 ``now``, the package's. ``step - check`` is the part that does not grow with N. On CPU no graph
 exists: the runner replays nothing and hands back the warm-up step's tensors, so ``step`` is
 the host bookkeeping only (what a CUDA replay adds: the launch, CUDA clones).
@@ -43,7 +43,6 @@ from torch.distributed.tensor import DTensor, Shard
 from mfsdp_optim import FullyShardedOptimizer, OptimizerConfig
 from mfsdp_optim._infra import device_table
 from mfsdp_optim.optim._captured import CapturedStep
-from mfsdp_optim.optim._dispatch import route_of
 from mfsdp_optim.optim._graph import Inputs
 
 _grad_of = attrgetter("grad")
@@ -73,7 +72,8 @@ class _NoLaunch:
 
 
 class _Before(CapturedStep):
-    """The captured step with the validity check as it stood before its rewrite (verbatim)."""
+    """The captured step with the validity check as it stood before its rewrite (verbatim) and
+    the lists it compared (the rest of ``inputs()`` is the package's)."""
 
     def still_valid(self, captured: Inputs) -> bool:
         if not captured.same_head(self.inputs(lists=False)):
@@ -94,39 +94,17 @@ class _Before(CapturedStep):
         return True
 
     def inputs(self, lists: bool = True) -> Inputs:
-        w = self.wrapper
-        cfg, scaler = w.config, w.grad_scaler
-        objects: list[Any] = [cfg, cfg.grad_stats_group, scaler]
+        head = CapturedStep.inputs(self, lists=False)  # the O(groups) part is unchanged
+        if not lists:
+            return head
         long: list[list[Any]] = []
-        values: list[Any] = [
-            cfg.clip_grad,
-            cfg.norm_type,
-            cfg.log_num_zeros_in_grad,
-            cfg.triton_adam_step,
-        ]
-        if scaler is not None:
-            objects.extend(scaler._device.values())
-            objects.extend(scaler._cache.get(self.device, ()))
-            values.append(scaler.needs_unscale())
-        for e in w._engines:
-            opt, fast, plan = e.optimizer, e.fast, e.preparer.plan
-            objects += [opt.state, opt.param_groups, fast._groups, fast.lr_slots, plan]
-            values += [
-                len(opt.state),
-                e.table.version,
-                e.table.current(),
-                route_of(opt, precision_aware=e.precision_aware),
-            ]
-            for g in opt.param_groups:
-                objects += [g, g["params"]]
-                values.append(tuple(v for k, v in g.items() if k not in ("params", "lr")))
-            if fast._groups is not None:
-                objects.extend([gc.triton_table for gc in fast._groups])
-            if plan is not None and lists:
+        for e in self.wrapper._engines:
+            plan = e.preparer.plan
+            if plan is not None:  # the lists as they were: grads, the params' local tensors
                 with torch._C.DisableTorchFunctionSubclass():
                     grads = list(map(_grad_of, plan.params))
                 long += [plan.params, grads, list(map(_local_of, plan.params))]
-        return Inputs(objects, tuple(values), long)
+        return Inputs(head.objects, head.values, long)
 
 
 def _wrapper(cls, count: int, shape: tuple[int, ...], device, mesh) -> FullyShardedOptimizer:
