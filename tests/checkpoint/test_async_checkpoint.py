@@ -239,7 +239,16 @@ def _rank_background_fault(root, point):
             raise ValueError("injected: rank 1 fails after the gather")
         return out
 
-    if point == "before":
+    real_signatures = _save.signatures
+
+    def signatures(*args, **kwargs):
+        if hit():
+            raise ValueError("injected: rank 1 cannot describe what it saves")
+        return real_signatures(*args, **kwargs)
+
+    if point == "agree":  # the agreement on what is saved, the first background collective
+        _save.signatures = signatures
+    elif point == "before":
         _save.item_record = item_record
     elif point == "during":
         comm.pickle = _FailingLoads
@@ -251,6 +260,7 @@ def _rank_background_fault(root, point):
         out = {"wait": _timed(lambda: handle.wait(timeout=60))}
     finally:
         _save.item_record, comm.pickle = real[:2]
+        _save.signatures = real_signatures
         if point == "after":
             _save._read_reports = real[2]
     # the background group is still in step on every rank: the next save goes through
@@ -265,7 +275,7 @@ def _rank_background_fault(root, point):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("point", ["before", "during", "after"])
+@pytest.mark.parametrize("point", ["agree", "before", "during", "after"])
 def test_background_fault_on_one_live_rank_reaches_every_rank(ranks, tmp_path, point):
     out = ranks(2).run(_rank_background_fault, str(tmp_path), point, timeout=140)
     # one error on every rank: the failing rank's class where the protocol keeps it, else
@@ -274,11 +284,51 @@ def test_background_fault_on_one_live_rank_reaches_every_rank(ranks, tmp_path, p
     for rank, res in enumerate(out):
         name, msg, elapsed = res["wait"]
         assert name in ("RuntimeError", "ValueError") and elapsed < FAST_S, (rank, res["wait"])
-        assert "Nothing was published" in msg and "rank 1" in msg, (rank, msg)
+        assert "rank 1" in msg, (rank, msg)
         assert res["next"] is None, (rank, res["next"])
         assert res["previous"], f"rank {rank}: the previous checkpoint changed"
         assert res["new"][0] in ("IncompleteCheckpointError", "FileNotFoundError"), res["new"]
-        assert res["listing"] == [f"new_{point}.incomplete", f"new_{point}_next"], res["listing"]
+        if point == "agree":  # refused before any write: nothing left behind
+            assert "cannot describe what it saves" in msg, (rank, msg)
+            assert res["listing"] == [f"new_{point}_next"], res["listing"]
+        else:
+            assert "Nothing was published" in msg, (rank, msg)
+            assert res["listing"] == [f"new_{point}.incomplete", f"new_{point}_next"], res[
+                "listing"
+            ]
+
+
+def _rank_disagree(root):
+    from mfsdp_optim.checkpoint import RankDisagreementError
+
+    m = _trained()
+    bad = os.path.join(root, "bad")
+    sd = dict(_state(m), extra={"tag": "same" if dist.get_rank() == 0 else "other"})
+    t0 = time.perf_counter()
+    handle = save_checkpoint(sd, bad, asynchronous=True)
+    returned = time.perf_counter() - t0
+    try:
+        handle.wait(timeout=60)
+        out: dict = {"wait": None}
+    except RankDisagreementError as exc:
+        out = {"wait": str(exc)}
+    out["returned_s"] = returned
+    save_checkpoint(_state(m), os.path.join(root, "next"), asynchronous=True).wait(timeout=60)
+    dist.barrier()
+    out["listing"] = sorted(os.listdir(root))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_async_disagreement_is_raised_by_wait_on_every_rank(ranks, tmp_path):
+    """What the ranks save is agreed in the background, on the copy: a plain value that differs
+    between ranks is refused by every rank's ``wait()``, nothing is left on disk, and the
+    background group stays in step for the next save."""
+    out = ranks(2).run(_rank_disagree, str(tmp_path), timeout=110)
+    for rank, res in enumerate(out):
+        assert res["wait"] is not None and "'extra.tag'" in res["wait"], (rank, res)
+        assert "nothing written" in res["wait"], (rank, res["wait"])
+        assert res["listing"] == ["next"], (rank, res["listing"])
 
 
 # ------------------------------------------------------------------------------------------

@@ -8,8 +8,9 @@ planner and writer, without ``dcp.save``'s collectives (the agreement fixed who 
 and rank 0 DCP's ``.metadata`` from the reports; ``_publish`` stages and publishes atomically;
 ``_integrity`` checks completeness and checksums; ``_async`` stages and writes in the background.
 Collectives of ``save_checkpoint``: that all-reduce, one object gather (every rank's writes and
-checksums, rank 0's save id), one all-reduce (the publish verdict); the asynchronous save adds
-one all-reduce (every rank staged) and runs the last two on its own gloo group. Of
+checksums, rank 0's save id), one all-reduce (the publish verdict); the asynchronous save blocks
+for the copy and one all-reduce (every rank staged) and runs the other three on its own gloo
+group, on the copy. Of
 ``load_checkpoint``: that all-reduce, one all-reduce (every rank loaded); DCP's load runs
 without collectives.
 The on-disk layout and its guarantees: docs/reliability.md.
@@ -98,10 +99,11 @@ def save_checkpoint(
     completion marker (file sizes, SHA-256 of ``.metadata``, ``metadata``) and renames the
     directory to ``directory``.
 
-    With ``asynchronous=True`` it returns as soon as the ranks agreed and every rank copied its
-    state off the live tensors (into host memory, pinned where CUDA is), with a ``SaveHandle``;
-    the write, the checksums and the publish run on a background thread, their collectives on
-    a gloo group of their own. Training may step
+    With ``asynchronous=True`` it returns as soon as every rank copied its state off the live
+    tensors (into host memory, pinned where CUDA is) and one all-reduce confirmed it, with a
+    ``SaveHandle``; the ranks' agreement on what they save (on the copy), the write, the
+    checksums and the publish run on a background thread, their collectives on a gloo group of
+    their own, so a disagreement is raised by ``handle.wait()``. Training may step
     meanwhile: what is written is the copy. Every guarantee above holds (the Checkpoints page,
     "Asynchronous save"). One save is in flight per process: the next ``save_checkpoint`` or
     ``load_checkpoint`` first waits for it, and refuses, on every rank, when it failed and
@@ -168,82 +170,101 @@ def save_checkpoint(
             created = True
     except (OSError, ValueError) as exc:
         prep = prep or failure_of(exc)
-    sig: dict[str, tuple] = {}
     try:
         state_dict = _unwrap_stateful(state_dict)
-        sig = signatures(state_dict, values=True)
-        digest = sig_digest(sig, final)
     except Exception as exc:  # never leave the others waiting in the collective
-        sig, digest, prep = {}, [], prep or failure_of(exc)
-    # the rank agreement: ONE all-reduce of the digests; every rank's signatures, failure and
-    # directory only when some rank failed or the digests differ
-    verdict = agreed(prep, process_group, digest=digest or [-1, -1], detail=(sig, final))
-    try:
-        raise_agreed(verdict, f"cannot save the checkpoint {final}")
-        ranks = group_ranks(process_group, world)
-        if verdict.same:
-            errors = check_uniform(sig, ranks)
-            everyone = list(range(world))
-            plain = plain_writers({k: (s, everyone) for k, s in sig.items()})
-        else:
-            assert verdict.details is not None
-            agree_on_directory([d[1] for d in verdict.details], "save into", "nothing written")
-            errors = check_agreement([d[0] for d in verdict.details], ranks)
-            holders: dict[str, tuple[tuple, list[int]]] = {}
-            for i, (s_i, _) in enumerate(verdict.details):
-                for k, s in s_i.items():
-                    holders.setdefault(k, (s, []))[1].append(i)
-            plain = plain_writers(holders)
-        if errors:
-            raise_agreed(
-                {0: Failure("RankDisagreementError", ("\n  ".join(errors[:30]),))},
-                f"ranks disagree on the state dict to save into {final} (nothing written)",
-            )
-        if asynchronous:
-            # the copy, then ONE more all-reduce: every rank staged (or nobody writes)
-            staged: dict[str, Any] = {}
-            failed: Failure | None = None
-            try:
-                staged = _async.stage(state_dict)
-            except Exception as exc:
-                failed = failure_of(exc)
-            raise_agreed(
-                agreed(failed, process_group),
-                f"could not copy the state to save into {final} (nothing written)",
-            )
-            # the background's collectives on a gloo group of their own (none in one process)
-            distributed = dist_info(process_group)[2]
-            try:  # a collective setup: a peer that died meanwhile fails it on this rank
-                group = _async.background_group(process_group, ranks) if distributed else None
-            except RuntimeError as exc:
-                raise collective_failed(exc) from exc
-    except BaseException:
-        if created:  # rank 0's empty staging directory: leave nothing behind
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
-
+        prep = prep or failure_of(exc)
+    ranks = group_ranks(process_group, world)
     job = _Job(final, staging, rank, world, checksums, overwrite, metadata)
     writer = writer_cls(staging, thread_count=thread_count)
-    where = (
-        dist.get_rank() if dist_info(process_group)[2] else 0,
-        frozenset(ranks),
-        plain,
-        not verdict.same,
-    )
+    me = dist.get_rank() if dist_info(process_group)[2] else 0
 
-    def write_and_finish(sd: Mapping[str, Any], on: dist.ProcessGroup | None) -> str:
+    def write_and_finish(
+        sd: Mapping[str, Any], on: dist.ProcessGroup | None, failed: Failure | None
+    ) -> str:
+        # what is saved, agreed (on the caller's group, or the background's) before any write
+        try:
+            plain, detailed = _agree_on_content(sd, final, failed, on, ranks)
+        except BaseException:
+            if created:  # rank 0's empty staging directory: leave nothing behind
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
         t_write = time.perf_counter()
         written: Written | None = None
         err: Exception | None = None
         try:
-            written = write_files(sd, writer, rank, *where)
+            written = write_files(sd, writer, rank, me, frozenset(ranks), plain, detailed)
         except Exception as exc:  # reported in the gather: nobody is left waiting
             err = exc
         return _finish(job, writer, written, err, on, time.perf_counter() - t_write)
 
     if not asynchronous:
-        return write_and_finish(state_dict, process_group)
-    return _async.start(final, lambda: write_and_finish(staged, group), t0)
+        return write_and_finish(state_dict, process_group, prep)
+
+    # asynchronous: the copy first, then ONE all-reduce (every rank staged, the directory is
+    # ready, no unreported failure) before returning; what is saved is agreed in the
+    # background, on the copy, so the caller waits for the copy and one collective only
+    staged: dict[str, Any] = {}
+    if prep is None:
+        try:
+            staged = _async.stage(state_dict)
+        except Exception as exc:
+            prep = failure_of(exc)
+    try:
+        raise_agreed(agreed(prep, process_group), f"cannot save the checkpoint {final}")
+        # the background's collectives on a gloo group of their own (none in one process)
+        try:  # a collective setup: a peer that died meanwhile fails it on this rank
+            distributed = dist_info(process_group)[2]
+            group = _async.background_group(process_group, ranks) if distributed else None
+        except RuntimeError as exc:
+            raise collective_failed(exc) from exc
+    except BaseException:
+        if created:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return _async.start(final, lambda: write_and_finish(staged, group, None), t0)
+
+
+def _agree_on_content(
+    state_dict: Mapping[str, Any],
+    final: str,
+    failure: Failure | None,
+    group: dist.ProcessGroup | None,
+    ranks: list[int],
+) -> tuple[dict, bool]:
+    """The ranks agree on what they save into ``final``: every DTensor key on exactly the ranks
+    of its mesh with one signature, plain values equal wherever they appear, one directory.
+    ONE all-reduce of a digest of this rank's signatures; every rank's signatures only when
+    the digests differ (or some rank failed). Returns who writes each plain item and whether
+    the signatures were exchanged; raises on every rank, nothing written, otherwise."""
+    sig: dict[str, tuple] = {}
+    digest: list[int] = []
+    try:
+        sig = signatures(state_dict, values=True)
+        digest = sig_digest(sig, final)
+    except Exception as exc:  # never leave the others waiting in the collective
+        sig, digest, failure = {}, [], failure or failure_of(exc)
+    verdict = agreed(failure, group, digest=digest or [-1, -1], detail=(sig, final))
+    raise_agreed(verdict, f"cannot save the checkpoint {final}")
+    if verdict.same:
+        errors = check_uniform(sig, ranks)
+        everyone = list(range(len(ranks)))
+        plain = plain_writers({k: (s, everyone) for k, s in sig.items()})
+    else:
+        assert verdict.details is not None
+        agree_on_directory([d[1] for d in verdict.details], "save into", "nothing written")
+        errors = check_agreement([d[0] for d in verdict.details], ranks)
+        holders: dict[str, tuple[tuple, list[int]]] = {}
+        for i, (s_i, _) in enumerate(verdict.details):
+            for k, s in s_i.items():
+                holders.setdefault(k, (s, []))[1].append(i)
+        plain = plain_writers(holders)
+    if errors:
+        raise_agreed(
+            {0: Failure("RankDisagreementError", ("\n  ".join(errors[:30]),))},
+            f"ranks disagree on the state dict to save into {final} (nothing written)",
+        )
+    return plain, not verdict.same
 
 
 def _unwrap_stateful(state_dict: Mapping[str, Any]) -> dict[str, Any]:
