@@ -108,7 +108,20 @@ def copy_in_layout(like: DTensor) -> DTensor:
 
 def in_layout_of(local: torch.Tensor, like: DTensor) -> DTensor:
     """``local`` as this rank's shard of a DTensor with ``like``'s mesh, placements, global shape
-    and stride (``DTensor.from_local``, no copy, no check)."""
+    and stride: what ``DTensor.from_local(local, ..., run_check=False, shape=like.shape,
+    stride=like.stride())`` returns (a fresh DTensor over a view of ``local``, no copy, no
+    check). When ``local`` has ``like``'s dtype, is on the mesh's device type, needs no grad and
+    this rank is in the mesh, the DTensor is built on ``like``'s own DTensorSpec (the spec
+    ``from_local`` would make): about 10x cheaper, which matters for the thousands of state
+    entries a checkpoint's state dict wraps."""
+    spec = like._spec
+    if (
+        local.dtype == like.dtype
+        and not local.requires_grad
+        and local.device.type == spec.mesh.device_type
+        and spec.mesh.get_coordinate() is not None
+    ):
+        return DTensor(local.view_as(local), spec, requires_grad=False)
     return DTensor.from_local(
         local,
         like.device_mesh,
