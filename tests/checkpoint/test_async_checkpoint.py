@@ -246,8 +246,17 @@ def _rank_background_fault(root, point):
             raise ValueError("injected: rank 1 cannot describe what it saves")
         return real_signatures(*args, **kwargs)
 
+    real_plain = _save.plain_writers
+
+    def plain_writers(*args, **kwargs):
+        if hit():
+            raise ValueError("injected: rank 1 fails after the agreement, before writing")
+        return real_plain(*args, **kwargs)
+
     if point == "agree":  # the agreement on what is saved, the first background collective
         _save.signatures = signatures
+    elif point == "agreed":  # after it: this rank's own error rides in the report gather
+        _save.plain_writers = plain_writers
     elif point == "before":
         _save.item_record = item_record
     elif point == "during":
@@ -260,7 +269,7 @@ def _rank_background_fault(root, point):
         out = {"wait": _timed(lambda: handle.wait(timeout=60))}
     finally:
         _save.item_record, comm.pickle = real[:2]
-        _save.signatures = real_signatures
+        _save.signatures, _save.plain_writers = real_signatures, real_plain
         if point == "after":
             _save._read_reports = real[2]
     # the background group is still in step on every rank: the next save goes through
@@ -275,7 +284,7 @@ def _rank_background_fault(root, point):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("point", ["agree", "before", "during", "after"])
+@pytest.mark.parametrize("point", ["agree", "agreed", "before", "during", "after"])
 def test_background_fault_on_one_live_rank_reaches_every_rank(ranks, tmp_path, point):
     out = ranks(2).run(_rank_background_fault, str(tmp_path), point, timeout=140)
     # one error on every rank: the failing rank's class where the protocol keeps it, else

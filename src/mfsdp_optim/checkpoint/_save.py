@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 
-from .._infra.agreement import Failure, failure_of
+from .._infra.agreement import Failure, Verdict, failure_of
 from . import _async
 from ._consensus import (
     RankDisagreementError,
@@ -184,16 +184,19 @@ def save_checkpoint(
     ) -> str:
         # what is saved, agreed (on the caller's group, or the background's) before any write
         try:
-            plain, detailed = _agree_on_content(sd, final, failed, on, ranks)
-        except BaseException:
+            verdict, sig = _agree_on_content(sd, final, failed, on, ranks)
+            plain, err = _who_writes(verdict, sig, final, ranks)
+        except BaseException:  # raised on every rank alike: the agreement's verdict
             if created:  # rank 0's empty staging directory: leave nothing behind
                 shutil.rmtree(staging, ignore_errors=True)
             raise
         t_write = time.perf_counter()
         written: Written | None = None
-        err: Exception | None = None
         try:
-            written = write_files(sd, writer, rank, me, frozenset(ranks), plain, detailed)
+            if err is None:
+                written = write_files(
+                    sd, writer, rank, me, frozenset(ranks), plain, not verdict.same
+                )
         except Exception as exc:  # reported in the gather: nobody is left waiting
             err = exc
         return _finish(job, writer, written, err, on, time.perf_counter() - t_write)
@@ -231,12 +234,11 @@ def _agree_on_content(
     failure: Failure | None,
     group: dist.ProcessGroup | None,
     ranks: list[int],
-) -> tuple[dict, bool]:
-    """The ranks agree on what they save into ``final``: every DTensor key on exactly the ranks
-    of its mesh with one signature, plain values equal wherever they appear, one directory.
-    ONE all-reduce of a digest of this rank's signatures; every rank's signatures only when
-    the digests differ (or some rank failed). Returns who writes each plain item and whether
-    the signatures were exchanged; raises on every rank, nothing written, otherwise."""
+) -> tuple[Verdict, dict[str, tuple]]:
+    """The ranks' verdict on what they save into ``final``, and this rank's signatures: ONE
+    all-reduce of a digest of the signatures; every rank's signatures and directory only when
+    the digests differ or some rank failed (``failure``, or here). Raises on every rank, nothing
+    written, when some rank failed."""
     sig: dict[str, tuple] = {}
     digest: list[int] = []
     try:
@@ -246,25 +248,40 @@ def _agree_on_content(
         sig, digest, failure = {}, [], failure or failure_of(exc)
     verdict = agreed(failure, group, digest=digest or [-1, -1], detail=(sig, final))
     raise_agreed(verdict, f"cannot save the checkpoint {final}")
-    if verdict.same:
-        errors = check_uniform(sig, ranks)
-        everyone = list(range(len(ranks)))
-        plain = plain_writers({k: (s, everyone) for k, s in sig.items()})
-    else:
-        assert verdict.details is not None
-        agree_on_directory([d[1] for d in verdict.details], "save into", "nothing written")
-        errors = check_agreement([d[0] for d in verdict.details], ranks)
-        holders: dict[str, tuple[tuple, list[int]]] = {}
-        for i, (s_i, _) in enumerate(verdict.details):
-            for k, s in s_i.items():
-                holders.setdefault(k, (s, []))[1].append(i)
-        plain = plain_writers(holders)
+    return verdict, sig
+
+
+def _who_writes(
+    verdict: Verdict, sig: dict[str, tuple], final: str, ranks: list[int]
+) -> tuple[dict, Exception | None]:
+    """From the agreement (the same on every rank): which rank writes each plain item, or
+    ``RankDisagreementError`` raised on every rank (every DTensor key on exactly the ranks of
+    its mesh with one signature, plain values equal wherever they appear, one directory).
+    An unexpected error of this rank's alone is returned, to ride in the report gather."""
+    try:
+        if verdict.same:
+            errors = check_uniform(sig, ranks)
+            everyone = list(range(len(ranks)))
+            plain = plain_writers({k: (s, everyone) for k, s in sig.items()})
+        else:
+            assert verdict.details is not None
+            agree_on_directory([d[1] for d in verdict.details], "save into", "nothing written")
+            errors = check_agreement([d[0] for d in verdict.details], ranks)
+            holders: dict[str, tuple[tuple, list[int]]] = {}
+            for i, (s_i, _) in enumerate(verdict.details):
+                for k, s in s_i.items():
+                    holders.setdefault(k, (s, []))[1].append(i)
+            plain = plain_writers(holders)
+    except RankDisagreementError:
+        raise
+    except Exception as exc:
+        return {}, exc
     if errors:
         raise_agreed(
             {0: Failure("RankDisagreementError", ("\n  ".join(errors[:30]),))},
             f"ranks disagree on the state dict to save into {final} (nothing written)",
         )
-    return plain, not verdict.same
+    return plain, None
 
 
 def _unwrap_stateful(state_dict: Mapping[str, Any]) -> dict[str, Any]:
