@@ -120,21 +120,33 @@ def generic_step(
                 continue
             p = params[i]
             entries = []
-            if present[u] and rank in units[u].members:  # a receiver: its presence only
-                entries = [(PARAM, p._local_tensor), (GRAD, _grad_local(p))]
-                entries += [
+            if present[u]:
+                # members and receivers alike read their state now, before any byte moves (the
+                # results are written into it after the last exchange, where nothing may fail)
+                sharded = [
                     (k, v._local_tensor)
                     for k, v in optimizer.state.get(p, {}).items()
                     if _sharded_like(k, v, p)
                 ]
+                for k, t in sharded:
+                    if t.shape != p._local_tensor.shape:
+                        raise ValueError(
+                            f"param {plan.metas[i].name!r}: its state entry {k!r} has the local "
+                            f"shard {tuple(t.shape)}, the param {tuple(p._local_tensor.shape)}: "
+                            "the state does not belong to this layout (load it again, or reset "
+                            "the state); nothing was updated on any rank"
+                        )
+                if rank in units[u].members:  # a receiver sends its presence only
+                    entries = [(PARAM, p._local_tensor), (GRAD, _grad_local(p)), *sharded]
             records[owner][0].append((u, present[u], [(k, str(t.dtype)) for k, t in entries]))
             records[owner][1].extend(t for _, t in entries)
     except Exception as exc:  # still takes part in both exchanges, then raises (settle)
         error = exc
         records = [([], []) for _ in range(world)]
-    got, statuses = exchange_records(
+    got, statuses, packing = exchange_records(
         "generic_in", [(h, t) for h, t in records], int(error is not None), group
     )
+    error = error or packing
     ok = error is None and not any(statuses)
     # owners: every member's and receiver's presence, then full tensors of the units they own
     pieces_in: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -240,7 +252,10 @@ def generic_step(
         error, ok = exc, False
     if not ok:
         out = [([], []) for _ in range(world)]
-    back, statuses_out = exchange_records("generic_out", out, int(error is not None), group)
+    back, statuses_out, packing = exchange_records(
+        "generic_out", out, int(error is not None), group
+    )
+    error = error or packing  # e.g. a group or state value that does not pickle
     if error is not None or any(statuses_out) or any(statuses):
         for g, before in zip(groups, values, strict=True):  # what the class's step set there
             for k in [k for k in g if k != "params" and k not in before]:
@@ -385,7 +400,12 @@ def _apply(optimizer, p: DTensor, keys: list[tuple], tensors: list) -> None:
         prev = old.get(k)
         if kind == "p":
             t = t.to(local.device).view(local.shape)
-            if isinstance(prev, DTensor) and prev.shape == p.shape and prev.dtype == t.dtype:
+            if (
+                isinstance(prev, DTensor)
+                and prev.shape == p.shape
+                and prev.dtype == t.dtype
+                and prev._local_tensor.shape == t.shape
+            ):
                 prev._local_tensor.copy_(t)
                 new[k] = prev
             else:
@@ -404,7 +424,12 @@ def _apply(optimizer, p: DTensor, keys: list[tuple], tensors: list) -> None:
             else:
                 new[k] = t.clone()
             continue
-        if isinstance(prev, DTensor) and prev.shape == t.shape and prev.dtype == t.dtype:
+        if (
+            isinstance(prev, DTensor)
+            and prev.shape == t.shape
+            and prev.dtype == t.dtype
+            and prev._local_tensor.shape == t.shape  # a replicated entry holds it whole
+        ):
             prev._local_tensor.copy_(t)
             new[k] = prev
         else:
