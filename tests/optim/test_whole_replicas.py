@@ -31,7 +31,12 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from test_whole_param import OPTIMIZERS, _full, _grad_spec, _param_spec, _spec  # noqa: E402
 
-from mfsdp_optim.optim._whole import ParamMeta, generic_splits, plan_units  # noqa: E402
+from mfsdp_optim.optim._whole import (  # noqa: E402
+    ParamMeta,
+    generic_splits,
+    generic_traffic,
+    plan_units,
+)
 from mfsdp_optim.optim._whole._pieces import piece_numel  # noqa: E402
 
 FULL = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
@@ -55,9 +60,18 @@ def _needs(name):
 
 # layouts on 4 ranks: (specs, whether every unit spans by default)
 LAYOUTS = {
-    # 2 replicas x 2 shards, even pieces: spans by default; a 2-D Adafactor param (factored
-    # state, whole) and a 1-D one (param-shaped variance)
-    "hsdp-2x2-even": ([_spec((6, 4), (2, 2), [R, S0]), _spec((8,), (2, 2), [R, S0], seed=1)], True),
+    # 2 replicas x 2 shards, even pieces: spans by default (more params than ranks: a plan with
+    # fewer would keep an owner per replica group, test_more_ranks_than_large_params...); 2-D
+    # Adafactor params (factored state, whole) and a 1-D one (param-shaped variance)
+    "hsdp-2x2-even": (
+        [
+            _spec((6, 4), (2, 2), [R, S0]),
+            _spec((8,), (2, 2), [R, S0], seed=1),
+            _spec((4, 6), (2, 2), [R, S0], seed=7),
+            _spec((2, 3), (2, 2), [R, S0], seed=8),
+        ],
+        True,
+    ),
     # uneven (2 rows and 1) and empty (1 row and 0) pieces: per replica group by default
     "hsdp-2x2-uneven-empty": (
         [_spec((3, 4), (2, 2), [R, S0], seed=2), _spec((1, 5), (2, 2), [R, S0], seed=3)],
@@ -68,6 +82,8 @@ LAYOUTS = {
         [
             _spec((4, 6), (2, 1, 2), [S0, S1, R], seed=4),
             _spec((6, 4), (2, 1, 2), [S1, S0, R], seed=5),
+            _spec((2, 8), (2, 1, 2), [S0, S1, R], seed=9),
+            _spec((8, 2), (2, 1, 2), [S0, S1, R], seed=10),
         ],
         True,
     ),
@@ -289,6 +305,7 @@ def _adafactor_bytes(meta):
 
 
 def _traffic(units, rank, world):
+    """One rank's (sent, received) piece bytes, from ``generic_splits`` per unit."""
     sent = received = 0
     for u in units:  # per unit: the bytes of its class state
         inb, outb, whole = _adafactor_bytes(u.meta)
@@ -296,6 +313,14 @@ def _traffic(units, rank, world):
         sent += sum(s_in) + sum(s_out)
         received += sum(r_in) + sum(r_out)
     return sent, received
+
+
+def test_generic_traffic_is_the_sum_of_generic_splits():
+    metas = _llama_hsdp_metas(8, 2, layers=2)
+    for span in (True, False):
+        units = plan_units([metas] * 8, "generic", span_replicas=span)
+        totals = generic_traffic(units, 8, _adafactor_bytes)
+        assert totals == [_traffic(units, rank, 8) for rank in range(8)]
 
 
 # the figures docs/internals.md states, (world, replicas) -> (the busiest rank's cost over
@@ -324,9 +349,38 @@ def test_the_generic_plan_over_the_replicas(world, replicas):
     # one unit per replica group: each replica does all of it again
     assert busiest(per_replica) >= 0.95 * replicas * total / world
     # every rank sends and receives fewer bytes (Adafactor's state, float32)
-    now = [_traffic(spanning, rank, world) for rank in range(world)]
-    before = [_traffic(per_replica, rank, world) for rank in range(world)]
+    now = generic_traffic(spanning, world, _adafactor_bytes)
+    before = generic_traffic(per_replica, world, _adafactor_bytes)
     for rank in range(world):
         assert now[rank][0] < before[rank][0] and now[rank][1] < before[rank][1], rank
     most_now, most_before = max(max(t) for t in now), max(max(t) for t in before)
     assert most_now <= bytes_ratio * most_before, most_now / most_before
+
+
+@pytest.mark.parametrize(
+    "world,replicas,spans", [(128, 2, False), (128, 4, True), (256, 4, False), (512, 2, False)]
+)
+def test_more_ranks_than_large_params_keep_an_owner_per_replica_group(world, replicas, spans):
+    # from about 128 ranks the set's largest matrices bound the busiest rank's work in both
+    # plans; spanning then only adds bytes (its owner of a large matrix replies to every
+    # replica), except where it still halves the work (128 x 4)
+    metas = _llama_hsdp_metas(world, replicas)
+    default = plan_units([metas] * world, "generic")
+    spanning = plan_units([metas] * world, "generic", span_replicas=True)
+    per_replica = plan_units([metas] * world, "generic", span_replicas=False)
+
+    def busiest(units):
+        load = [0] * world
+        for u in units:
+            load[u.owner] += u.cost
+        return max(load)
+
+    def most(units):  # param and grad in, param back: float32
+        return max(map(max, generic_traffic(units, world, lambda m: (8, 4, 0))))
+
+    if spans:
+        assert default == spanning
+        assert busiest(spanning) < busiest(per_replica)
+    else:
+        assert default == per_replica
+        assert busiest(per_replica) <= busiest(spanning) and most(per_replica) < most(spanning)

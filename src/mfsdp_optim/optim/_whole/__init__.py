@@ -10,7 +10,15 @@ _generic.py  any class: its own step() on full tensors on owners
 
 from ._exchange import TRAFFIC
 from ._pieces import piece_of
-from ._plan import ParamMeta, Unit, WholeParamPlan, generic_splits, muon_splits, plan_units
+from ._plan import (
+    ParamMeta,
+    Unit,
+    WholeParamPlan,
+    generic_splits,
+    generic_traffic,
+    muon_splits,
+    plan_units,
+)
 from ._step import recipe_for, step_whole_params
 
 __all__ = [
@@ -19,6 +27,7 @@ __all__ = [
     "Unit",
     "WholeParamPlan",
     "generic_splits",
+    "generic_traffic",
     "muon_splits",
     "piece_of",
     "plan_units",

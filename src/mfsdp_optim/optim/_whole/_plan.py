@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +36,7 @@ __all__ = [
     "WholeParamPlan",
     "build_plan",
     "generic_splits",
+    "generic_traffic",
     "muon_splits",
     "plan_units",
     "spans_replicas",
@@ -160,7 +161,7 @@ def spans_replicas(recipe: str, meta: ParamMeta, replica_groups: Sequence[Replic
     (non-param-shaped) entries and the group values go to every holder either way, so spanning
     sends them to one more rank per other replica group; a class whose whole entries outweigh a
     piece of its param can then send more (``span_replicas=False`` keeps one unit per replica
-    group)."""
+    group). ``plan_units`` then compares the whole plan with one unit per replica group."""
     if recipe == "muon":
         return True
     if len(replica_groups) < 2:
@@ -177,7 +178,11 @@ def plan_units(
     ``span_replicas``: True, one unit per param instance over all its replica groups (owner:
     any rank of its mesh; the other groups' ranks are receivers); False, one unit per replica
     group (owner: a rank of that group); None (default), per param as ``spans_replicas`` says
-    (Muon: always; the generic path: where it moves fewer bytes).
+    (Muon: always; the generic path: where it moves fewer bytes), except that the generic path
+    keeps one unit per replica group for every param where that plan gives its busiest rank no
+    more whole-param work and fewer bytes to move (param and grad in, the param back, for the
+    rank that moves the most): with more ranks than large params, both plans' busiest rank
+    does the largest param, and spanning's owner of it replies to every replica.
 
     Raises ValueError (the same one on every rank, since every rank sees the same input) when
     the ranks of a param's mesh disagree about it or one of them lacks it."""
@@ -201,6 +206,7 @@ def plan_units(
     # update of a param instance is one entry over all its replica groups, else one entry per
     # replica group
     entries: list[tuple[ParamMeta, list[ReplicaGroup], int]] = []
+    per_replica: list[tuple[ParamMeta, list[ReplicaGroup], int]] = []  # the generic default's other
     for key in sorted(seen):
         meta, holders = seen[key]
         if holders != set(meta.mesh_ranks):
@@ -232,9 +238,46 @@ def plan_units(
             entries.append((meta, replica_groups, cost))
         else:
             entries.extend((meta, [rg], cost) for rg in replica_groups)
-    # longest processing time first: the costliest update goes to its least loaded candidate
-    # (any rank of any of its replica groups)
-    load = [0] * len(metas)
+        per_replica.extend((meta, [rg], cost) for rg in replica_groups)
+    units = _owners(entries, len(metas))
+    if span_replicas is not None or recipe == "muon" or len(entries) == len(per_replica):
+        return units
+    # the generic path's default: spanning, unless one unit per replica group gives the busiest
+    # rank no more whole-param work and fewer piece bytes to move (more ranks than large
+    # params: both plans' busiest rank does the largest param, and spanning's owner of it
+    # replies to every replica)
+    others = _owners(per_replica, len(metas))
+    if _busiest(others, len(metas)) <= _busiest(units, len(metas)):
+        most = [
+            max(map(max, generic_traffic(us, len(metas), _param_bytes))) for us in (units, others)
+        ]
+        if most[1] < most[0]:
+            return others
+    return units
+
+
+def _param_bytes(meta: ParamMeta) -> tuple[int, int, int]:
+    """What every class sends on the generic path, per element: param and grad in, param back
+    (its state is not in the plan)."""
+    dtype = getattr(torch, meta.dtype.removeprefix("torch."), None)
+    size = dtype.itemsize if isinstance(dtype, torch.dtype) else 4
+    return 2 * size, size, 0
+
+
+def _busiest(units: Sequence[Unit], world: int) -> int:
+    load = [0] * world
+    for u in units:
+        load[u.owner] += u.cost
+    return max(load, default=0)
+
+
+def _owners(
+    entries: Sequence[tuple[ParamMeta, list[ReplicaGroup], int]], world: int
+) -> tuple[Unit, ...]:
+    """The units of ``entries``, each owner chosen longest processing time first: the
+    costliest update goes to its least loaded candidate (any rank of any of its replica
+    groups)."""
+    load = [0] * world
     units: list[Unit | None] = [None] * len(entries)
     for i in sorted(range(len(entries)), key=lambda i: (-entries[i][2], i)):
         meta, replica_groups, cost = entries[i]
@@ -407,6 +450,28 @@ def generic_splits(
                 send_in[u.owner] += sent_in
                 recv_out[u.owner] += back
     return send_in, recv_in, send_out, recv_out
+
+
+def generic_traffic(
+    units: Sequence[Unit], world: int, sizes: Callable[[ParamMeta], tuple[int, int, int]]
+) -> list[tuple[int, int]]:
+    """Each rank's (sent, received) piece bytes on the generic path in one pass over the units:
+    what ``generic_splits`` gives summed over peers, with ``sizes(meta)`` giving each param's
+    ``(in_bytes, out_bytes, whole)`` (a class's state differs between params)."""
+    sent, received = [0] * world, [0] * world
+    for u in units:
+        in_bytes, out_bytes, whole = sizes(u.meta)
+        holders = zip((*u.members, *u.receivers), (*u.pieces, *u.receiver_pieces), strict=True)
+        for holder, piece in holders:
+            if holder == u.owner:
+                continue
+            n = piece_numel(piece)
+            if holder in u.members:
+                sent[holder] += in_bytes * n
+                received[u.owner] += in_bytes * n
+            sent[u.owner] += out_bytes * n + whole
+            received[holder] += out_bytes * n + whole
+    return list(zip(sent, received, strict=True))
 
 
 def flag_bytes(count: int) -> int:
