@@ -358,7 +358,8 @@ def test_the_generic_plan_over_the_replicas(world, replicas):
 
 
 @pytest.mark.parametrize(
-    "world,replicas,spans", [(128, 2, False), (128, 4, True), (256, 4, False), (512, 2, False)]
+    "world,replicas,spans",
+    [(128, 2, False), (128, 4, True), (256, 4, False)] + ([(512, 2, False)] if FULL else []),
 )
 def test_more_ranks_than_large_params_keep_an_owner_per_replica_group(world, replicas, spans):
     # from about 128 ranks the set's largest matrices bound the busiest rank's work in both
