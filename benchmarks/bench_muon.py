@@ -19,7 +19,9 @@ and the ratio are printed, and the params must come out bit for bit equal. A CPU
 ``--plan`` prints, from the planner alone (exact, like the traffic test), each rank's
 Newton-Schulz flops and exchange bytes for the 16-layer set on 8, 64 and 512 ranks with 1, 2
 and 4 replicas (HSDP: ``(Replicate(), Shard(0))`` on a ``(replicas, world / replicas)`` mesh),
-owners spanning the replicas (now) against one owner per replica group (before).
+owners spanning the replicas (now) against one owner per replica group (before); then the same
+for Adafactor on the generic path (float32: the busiest rank's whole-param cost and the most
+piece bytes any rank moves, the plan's default against one owner per replica group).
 """
 
 from __future__ import annotations
@@ -121,6 +123,72 @@ def _numel(piece) -> int:
     from mfsdp_optim.optim._whole._pieces import piece_numel
 
     return piece_numel(piece)
+
+
+def _adafactor_bytes(meta) -> tuple[int, int, int]:
+    """torch's Adafactor on float32 params, per element of a piece: param and grad in; the param
+    back, with the variance for a 1-D param (param-shaped); a 2-D param's row and column
+    factors whole, with the 0-d step (whole bytes per holder)."""
+    if len(meta.shape) == 1:
+        return 8 + 4, 4 + 4, 4
+    return 8, 4, 4 * sum(meta.shape) + 4
+
+
+def generic_plan_table(layers: int = 16) -> list[dict]:
+    """The generic whole-param path (torch's Adafactor, float32) from the plan, per (world,
+    replicas), over the same matrices plus two 2048-element vectors per layer: the busiest
+    rank's whole-param cost (elements stepped) against total / world, and the most piece bytes
+    any rank sends or receives (status words and headers not counted), the plan's default
+    (``now``: one owner over all replica groups where no rank holds over half of a param)
+    against one owner per replica group (``before``)."""
+    import math
+
+    from mfsdp_optim.optim._whole import ParamMeta, generic_traffic, plan_units
+
+    rows = []
+    for world in (8, 64, 512):
+        for replicas in (1, 2, 4):
+            metas = [
+                ParamMeta(
+                    f"layers.{i}.{j}",
+                    tuple(range(world)),
+                    (replicas, world // replicas),
+                    (("R",), ("S", 0)),
+                    shape,
+                    "torch.float32",
+                )
+                for i in range(layers)
+                for j, shape in enumerate([*SHAPES, (2048,), (2048,)])
+            ]
+            total = sum(math.prod(m.shape) for m in metas)
+            row: dict = {"world": world, "replicas": replicas}
+            for name, span in (("before", False), ("now", None)):
+                units = plan_units([metas] * world, "generic", span_replicas=span)
+                load = [0] * world
+                for u in units:
+                    load[u.owner] += u.cost
+                traffic = generic_traffic(units, world, _adafactor_bytes)
+                row[name] = {
+                    "busiest_over_even": max(load) / (total / world),
+                    "most_mb": max(max(t) for t in traffic) / 1e6,
+                }
+            rows.append(row)
+    return rows
+
+
+def print_generic_plan_table(layers: int) -> None:
+    print(f"\nAdafactor (the generic path) over the {layers}-layer set, from the plan (float32)")
+    print(
+        f"{'ranks':>6} {'repl':>5} | {'busiest/even':>12} {'most MB':>9} | "
+        f"{'before: busiest/even':>20} {'most MB':>9} | {'MB now/before':>13}"
+    )
+    for row in generic_plan_table(layers):
+        now, before = row["now"], row["before"]
+        print(
+            f"{row['world']:6d} {row['replicas']:5d} | {now['busiest_over_even']:12.2f} "
+            f"{now['most_mb']:9.1f} | {before['busiest_over_even']:20.2f} "
+            f"{before['most_mb']:9.1f} | {now['most_mb'] / before['most_mb']:13.2f}"
+        )
 
 
 def print_plan_table(layers: int) -> None:
@@ -283,6 +351,7 @@ def main() -> None:
     other = import_other(args.compare) if args.compare else None
     if args.plan:
         print_plan_table(16)
+        print_generic_plan_table(16)
         return
     backend = "cpu:gloo,cuda:nccl" if args.device == "cuda" else "gloo"
     if "RANK" in os.environ:  # torchrun

@@ -647,3 +647,201 @@ def test_up_front_checks_match_the_class(cls, key, value, ok):
     else:
         with pytest.raises((TypeError, ValueError), match=rf"param_groups\[0\]\['{key}'\]"):
             check_whole_hyperparameters(opt)
+
+
+# ---------------------------------------------------------------------------------------------
+# the receiver role: generic units spanning the replicas (test_whole_replicas.LAYOUTS)
+
+# fault -> where it bites; every one is certain to fail the step
+REPLICA_FAULTS = {
+    "grad_layout": "before the agreement",
+    "state": "pre-work (a receiver reads its state too) / the owner between the exchanges",
+    "state_shape": "pre-work: a param-shaped entry of another local shape (a receiver never sends"
+    " it, so only its own check sees it) / the owner's assembly",
+    "grad_none": "the owner, after the first exchange (a receiver's flag)",
+    "pack_in": "during the first exchange: this rank's records do not pack",
+    "compute": "between the exchanges: the class's step() (owner: whole params; others: empty)",
+    "pack_out": "during the second exchange: this rank's records do not pack",
+    "assemble": "the owner after the first exchange: inserting the pieces raises",
+    "unpicklable": "the owner during the second exchange: a group value that does not pickle",
+}
+OWNER_ONLY = {"assemble", "unpicklable"}  # only the owner gets there
+
+
+def _inject_replica(fault, opt, params, target, bad):
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    from mfsdp_optim.optim._whole import _exchange, _generic
+
+    if dist.get_rank() not in bad:
+        return lambda: None
+    p = params[target]
+    if fault in ("grad_layout", "grad_none", "state", "compute"):
+        if fault == "grad_layout":  # the same values claimed as Shard(1) on every mesh dim
+            g = p.grad
+            p.grad = DTensor.from_local(
+                g.to_local(), g.device_mesh, [Shard(1)] * g.device_mesh.ndim, run_check=False,
+                shape=g.shape, stride=g.stride(),
+            )  # fmt: skip
+            return lambda: None
+        return _inject(fault, "generic", opt, [p], bad)
+    if fault == "state_shape":
+        state = opt.state[p]
+        key = next(k for k, v in state.items() if isinstance(v, DTensor) and v.shape == p.shape)
+        old = state[key]
+        local = old._local_tensor
+        longer = torch.zeros((local.shape[0] + 1, *local.shape[1:]), dtype=local.dtype)
+        state[key] = DTensor.from_local(
+            longer, old.device_mesh, old.placements, run_check=False, shape=old.shape,
+            stride=old.stride(),
+        )  # fmt: skip
+
+        def undo():
+            state[key] = old
+
+        return undo
+    if fault == "unpicklable":
+        group = opt.param_groups[0]
+        group["on_purpose"] = lambda: None  # a local function: pickle refuses it
+
+        def undo():
+            del group["on_purpose"]
+
+        return undo
+    module, name, at = {
+        "pack_in": (_exchange, "_packed", 0),
+        "pack_out": (_exchange, "_packed", 1),
+        "assemble": (_generic, "insert", None),
+    }[fault]
+    real = getattr(module, name)
+    calls = [0]
+
+    def broken(*args, **kwargs):
+        calls[0] += 1
+        if at is None or calls[0] - 1 == at:
+            raise RuntimeError(f"{name} failed on purpose")
+        return real(*args, **kwargs)
+
+    setattr(module, name, broken)
+    return lambda: setattr(module, name, real)
+
+
+def _rank_replica_fault(opt_name, layout, fault, roles):
+    """A clean step, the faulty one (on the given roles of the unit of the param the fault
+    touches: its owner, a receiver, a member that is not the owner), a clean one after it."""
+    from _layouts import build_grad
+    from test_whole_replicas import LAYOUTS as REPLICA_LAYOUTS
+    from test_whole_replicas import _class
+
+    from mfsdp_optim._infra.agreement import RankFailedError
+    from mfsdp_optim.optim._whole import step_whole_params
+
+    specs, _ = REPLICA_LAYOUTS[layout]
+    cls, kw = _class(opt_name)
+    params = [torch.nn.Parameter(build_grad(_param_spec(s))) for s in specs]
+    opt = cls(params, **kw)
+    plan = None
+    outcome: list = []
+    for step in range(3):
+        for p, s in zip(params, specs, strict=True):
+            p.grad = build_grad(_grad_spec(s, step), check=False).to(p.dtype)
+        if step != 1:
+            plan = step_whole_params(opt, params, plan_cache=plan, span_replicas=True)
+            continue
+        assert plan is not None
+        target = 1 if fault == "state_shape" else 0  # the 1-D param: a param-shaped entry
+        unit = plan.units[plan.local_units[target]]
+        assert unit.receivers, "the unit spans the replicas"
+        holders = {
+            "owner": unit.owner,
+            "receiver": unit.receivers[-1],
+            "member": next(m for m in unit.members if m != unit.owner),
+        }
+        bad = sorted({holders[r] for r in roles})
+        before = _snapshot(opt, params)
+        undo = _inject_replica(fault, opt, params, target, bad)
+        t0 = time.monotonic()
+        try:
+            plan = step_whole_params(opt, params, plan_cache=plan, span_replicas=True)
+            outcome = ["ok", "", time.monotonic() - t0]
+        except Exception as exc:
+            name = "RankFailedError" if isinstance(exc, RankFailedError) else type(exc).__name__
+            outcome = [name, str(exc), time.monotonic() - t0]
+        finally:
+            undo()
+        outcome.append(_unchanged(before, _snapshot(opt, params)) if outcome[0] != "ok" else [])
+        outcome.append((bad, unit.owner))
+    return outcome  # the clean step after it ran on every rank (else the pool reports a hang)
+
+
+def _check_replica(out, fault):
+    assert all(len(o) == 5 for o in out), out
+    assert all(o[0] != "ok" for o in out), f"a rank stepped through the fault: {out}"
+    bad, owner = out[0][4]
+    own = {r for r, o in enumerate(out) if o[0] != "RankFailedError"}
+    # the failing ranks raise their own error (where one fails first, the others may not get to
+    # theirs); a grad missing on one holder is the owner's
+    if fault == "grad_none":
+        assert own == {owner}, (own, owner, out)
+    else:
+        assert own and own <= set(bad), (own, bad, out)
+        if len(bad) == 1:
+            assert own == set(bad), (own, bad, out)
+    for r, (_, message, seconds, diffs, _) in enumerate(out):
+        assert seconds < DEADLINE_S, (r, seconds)
+        assert not diffs, f"rank {r} changed {diffs} on a refused step"
+        if r not in own:
+            assert all(f"rank {f}: " in message for f in own), (r, own, message)
+    if fault == "grad_none":
+        assert "grad is None on ranks" in out[owner][1], out[owner]
+
+
+def _replica_case(fault, roles):
+    """Adafactor on HSDP 2x2; a member's fault with the unknown class on the 3-D mesh (the
+    state-shape fault needs Adafactor's param-shaped entry: the 1-D param of HSDP 2x2)."""
+    if roles != ("member",) or fault == "state_shape":
+        return ("Adafactor", "hsdp-2x2-even", fault, roles)
+    return ("NormalizedSGD", "3d-replicate-last", fault, roles)
+
+
+REPLICA_CASES = [  # every fault on a receiver, on the owner, on a member, on two of them
+    _replica_case(fault, roles)
+    for fault in REPLICA_FAULTS
+    for roles in [("receiver",), ("owner",), ("member",), ("owner", "receiver")]
+    if fault not in OWNER_ONLY or roles == ("owner",)
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "case", REPLICA_CASES, ids=["-".join([c[0], c[1], c[2], "+".join(c[3])]) for c in REPLICA_CASES]
+)
+def test_fault_on_a_receiver_or_owner_refused_on_every_replica(case):
+    opt_name, layout, fault, roles = case
+    out = get_pool(4).run(_rank_replica_fault, opt_name, layout, fault, roles, timeout=RUN_S)
+    _check_replica(out, fault)
+
+
+@st.composite
+def _replica_fault_cases(draw):
+    fault = draw(st.sampled_from(sorted(REPLICA_FAULTS)))
+    roles = ("owner",)
+    if fault not in OWNER_ONLY:
+        roles = tuple(
+            sorted(draw(st.sets(st.sampled_from(["owner", "receiver", "member"]), min_size=1)))
+        )
+    if fault == "state_shape":  # Adafactor's param-shaped entry: the 1-D param of HSDP 2x2
+        return "Adafactor", "hsdp-2x2-even", fault, roles
+    opt_name = draw(st.sampled_from(["Adafactor", "NormalizedSGD"]))
+    layout = draw(st.sampled_from(["hsdp-2x2-even", "3d-replicate-last"]))
+    return opt_name, layout, fault, roles
+
+
+@pytest.mark.timeout(900 if FULL else 180)
+@settings(max_examples=150 if FULL else 6, deadline=None)
+@given(_replica_fault_cases())
+def test_hypothesis_replica_faults(case):
+    opt_name, layout, fault, roles = case
+    out = get_pool(4).run(_rank_replica_fault, opt_name, layout, fault, roles, timeout=RUN_S)
+    _check_replica(out, fault)

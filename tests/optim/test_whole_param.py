@@ -330,6 +330,9 @@ def test_muon_owners_span_the_replicas_on_hsdp():
         assert {u.members, u.receivers} == {(0, 1), (2, 3)}
     counts = [sum(u.owner == r for u in units) for r in range(4)]
     assert sorted(counts) == [1, 1, 2, 2]
-    # any other recipe: one unit per replica group, as before
+    # the generic path spans them too where the shards are even (no piece over half the param)
     generic = plan_units([metas] * 4, "generic")
-    assert len(generic) == 12 and all(not u.receivers for u in generic)
+    assert len(generic) == 6 and all(len(u.receivers) == 2 for u in generic)
+    # one unit per replica group where asked
+    per_replica = plan_units([metas] * 4, "generic", span_replicas=False)
+    assert len(per_replica) == 12 and all(not u.receivers for u in per_replica)

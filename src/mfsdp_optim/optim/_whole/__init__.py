@@ -1,7 +1,7 @@
 """Whole-param optimizer steps on sharded DTensor params (Muon, Adafactor, unknown classes).
 
 _step.py     step_whole_params: the entry point (validation, plan cache, recipe choice)
-_plan.py     metas -> units (shard groups, pieces) and owners (LPT); byte counts of the Muon path
+_plan.py     metas -> units (shard groups, receivers, pieces) and owners (LPT); byte counts
 _pieces.py   which elements each mesh coordinate holds; extract/insert pieces of full tensors
 _exchange.py counted all-to-alls of byte messages, a status word per message
 _muon.py     Muon: elementwise parts on shards, Newton-Schulz on owners
@@ -10,7 +10,15 @@ _generic.py  any class: its own step() on full tensors on owners
 
 from ._exchange import TRAFFIC
 from ._pieces import piece_of
-from ._plan import ParamMeta, Unit, WholeParamPlan, muon_splits, plan_units
+from ._plan import (
+    ParamMeta,
+    Unit,
+    WholeParamPlan,
+    generic_splits,
+    generic_traffic,
+    muon_splits,
+    plan_units,
+)
 from ._step import recipe_for, step_whole_params
 
 __all__ = [
@@ -18,6 +26,8 @@ __all__ = [
     "ParamMeta",
     "Unit",
     "WholeParamPlan",
+    "generic_splits",
+    "generic_traffic",
     "muon_splits",
     "piece_of",
     "plan_units",

@@ -5,8 +5,8 @@ default; these are the values whose default does not tell the rule: Muon's ``ns_
 integer below 100, or Newton-Schulz raises on the owner) and ``ns_coefficients`` (three
 numbers), Adafactor's ``eps`` pair (``eps1`` may be None, ``eps2`` must be a number). A class
 that overrides ``step()`` is not checked here: its own rules may differ. ``partial_grad_message``
-is what an owner raises when a param's grad is None on some ranks of its shard group only (Muon
-and the generic path alike).
+is what an owner raises when a param's grad is None on some ranks of its mesh only (Muon and the
+generic path alike).
 """
 
 from __future__ import annotations
@@ -105,11 +105,12 @@ def check_whole_hyperparameters(optimizer: torch.optim.Optimizer) -> None:
 
 
 def partial_grad_message(name: str, have: list[int], lack: list[int]) -> str:
-    """The owner's error for param ``name`` whose grad is on ranks ``have`` of its shard group
-    and None on ranks ``lack``."""
+    """The owner's error for param ``name`` whose grad is on ranks ``have`` of its mesh (its
+    shard group, and the other replica groups where its unit spans them) and None on ranks
+    ``lack``."""
     return (
         f"param {name!r}: its grad is None on ranks {lack} but not on ranks {have} of its "
-        "shard group, so its whole-param update cannot be computed: give it a grad on every "
+        "mesh, so its whole-param update cannot be computed: give it a grad on every "
         "rank of its mesh or on none (e.g. zero_grad(set_to_none=True) on every rank, a "
         "param used on some ranks only); nothing was updated on any rank"
     )

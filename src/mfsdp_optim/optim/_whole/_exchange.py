@@ -163,21 +163,21 @@ def exchange_records(
     records: Sequence[tuple[object, Sequence[torch.Tensor]]],
     status: int,
     group: dist.ProcessGroup | None,
-) -> tuple[list[tuple[object, torch.Tensor]], list[int]]:
+) -> tuple[list[tuple[object, torch.Tensor]], list[int], BaseException | None]:
     """Send rank ``r`` the picklable header ``records[r][0]`` and the tensors' bytes
     ``records[r][1]``: a sizes all-to-all (one int64 per peer), then ``exchange``. Returns each
-    peer's (header, payload bytes) and status. Only for data of this job's own ranks (pickle)."""
+    peer's (header, payload bytes) and status, and the error that packing this rank's records
+    raised (a header that does not pickle, say): this rank then still takes part, sending empty
+    payloads and a failed status, and the caller raises after its last exchange (``settle``).
+    Only for data of this job's own ranks (pickle)."""
     rank = dist.get_rank(group)
     device = collective_device(group)
-    payloads: list[list[torch.Tensor]] = []
-    for r, (header, tensors) in enumerate(records):
-        if r == rank:
-            payloads.append([])
-            continue
-        blob = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
-        head = torch.tensor([len(blob)], dtype=torch.int64).view(torch.uint8)
-        body = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else head[:0]
-        payloads.append([head, body, *(t.contiguous().view(-1).view(torch.uint8) for t in tensors)])
+    error: BaseException | None = None
+    try:
+        payloads = _packed(records, rank)
+    except Exception as exc:  # still takes part in both all-to-alls
+        error, status = exc, status or 1
+        payloads = [[] for _ in records]
     sizes = torch.tensor([sum(p.numel() for p in parts) for parts in payloads], dtype=torch.int64)
     got = torch.empty_like(sizes, device=device)
     dist.all_to_all_single(got, sizes.to(device), group=group)
@@ -192,7 +192,23 @@ def exchange_records(
         n = int(view_as(raw[:8].cpu(), torch.int64, (1,))[0])
         header = pickle.loads(bytes(raw[8 : 8 + n].cpu().tolist())) if n else None
         out.append((header, raw[8 + n :]))
-    return out, statuses
+    return out, statuses, error
+
+
+def _packed(
+    records: Sequence[tuple[object, Sequence[torch.Tensor]]], rank: int
+) -> list[list[torch.Tensor]]:
+    """Each peer's message parts: the header's length and pickle, then the tensors' bytes."""
+    payloads: list[list[torch.Tensor]] = []
+    for r, (header, tensors) in enumerate(records):
+        if r == rank:
+            payloads.append([])
+            continue
+        blob = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
+        head = torch.tensor([len(blob)], dtype=torch.int64).view(torch.uint8)
+        body = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else head[:0]
+        payloads.append([head, body, *(t.contiguous().view(-1).view(torch.uint8) for t in tensors)])
+    return payloads
 
 
 def view_as(raw: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:

@@ -2,15 +2,19 @@
 param (torch's Adafactor) and classes the package does not know.
 
 Members send a unit's owner their pieces of the param, its grad and every param-shaped state
-entry; the owner assembles full tensors and calls ``optimizer.step()`` once, shown (in place,
-as ``optim._views.local_shard_view`` does) group lists holding the full params it owns and a
-state mapping keyed by them; every other rank calls ``step()`` once with its lists emptied
-(step hooks run once per rank). The owner sends back each member's piece of the new param and
-of each param-shaped entry, every other entry whole (a Replicate DTensor on the param's mesh;
-0-d and plain values as stock keeps them) and the values the class wrote into the param's group;
-each direction: a sizes all-to-all + one. Optimizer-level state (entries not keyed by a param,
-such as MADGRAD's ``k``) steps on every rank alike. Nothing is written before every rank knows
-every rank succeeded.
+entry; receivers (the ranks of the other replica groups, where the unit spans the replicas:
+``_plan.spans_replicas``) send their grad presence only. The owner checks that every member and
+receiver agrees on the grad's presence, assembles full tensors and calls ``optimizer.step()``
+once, shown (in place, as ``optim._views.local_shard_view`` does) group lists holding the full
+params it owns and a state mapping keyed by them; every other rank calls ``step()`` once with
+its lists emptied (step hooks run once per rank). The owner sends back each member's and each
+receiver's piece of the new param and of each param-shaped entry, every other entry whole (a
+Replicate DTensor on the param's mesh; 0-d and plain values as stock keeps them) and the values
+the class wrote into the param's group; each direction: a sizes all-to-all + one. A receiver
+ends with what a member of its replica group gets (the replicas' state is the same, so the
+owner's step is the one their own owner would have run). Optimizer-level state (entries not
+keyed by a param, such as MADGRAD's ``k``) steps on every rank alike. Nothing is written before
+every rank knows every rank succeeded.
 """
 
 from __future__ import annotations
@@ -117,24 +121,36 @@ def generic_step(
             p = params[i]
             entries = []
             if present[u]:
-                entries = [(PARAM, p._local_tensor), (GRAD, _grad_local(p))]
-                entries += [
+                # members and receivers alike read their state now, before any byte moves (the
+                # results are written into it after the last exchange, where nothing may fail)
+                sharded = [
                     (k, v._local_tensor)
                     for k, v in optimizer.state.get(p, {}).items()
                     if _sharded_like(k, v, p)
                 ]
+                for k, t in sharded:
+                    if t.shape != p._local_tensor.shape:
+                        raise ValueError(
+                            f"param {plan.metas[i].name!r}: its state entry {k!r} has the local "
+                            f"shard {tuple(t.shape)}, the param {tuple(p._local_tensor.shape)}: "
+                            "the state does not belong to this layout (load it again, or reset "
+                            "the state); nothing was updated on any rank"
+                        )
+                if rank in units[u].members:  # a receiver sends its presence only
+                    entries = [(PARAM, p._local_tensor), (GRAD, _grad_local(p)), *sharded]
             records[owner][0].append((u, present[u], [(k, str(t.dtype)) for k, t in entries]))
             records[owner][1].extend(t for _, t in entries)
     except Exception as exc:  # still takes part in both exchanges, then raises (settle)
         error = exc
         records = [([], []) for _ in range(world)]
-    got, statuses = exchange_records(
+    got, statuses, packing = exchange_records(
         "generic_in", [(h, t) for h, t in records], int(error is not None), group
     )
+    error = error or packing
     ok = error is None and not any(statuses)
-    # owners: every member's presence, then full tensors of the units they own
+    # owners: every member's and receiver's presence, then full tensors of the units they own
     pieces_in: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-    member_present: dict[tuple[int, int], bool] = {}
+    member_present: dict[tuple[int, int], bool] = {}  # (unit, member or receiver) -> grad
     try:
         for r, (header, raw) in enumerate(got):
             if r == rank or header is None or not ok:
@@ -142,7 +158,7 @@ def generic_step(
             offset = 0
             for u, here, sent_keys in header:  # type: ignore[attr-defined]
                 member_present[(u, r)] = here
-                piece = units[u].pieces[units[u].members.index(r)]
+                piece = units[u].piece_for(r)
                 n = piece_numel(piece)
                 entry = {}
                 for k, dt in sent_keys:
@@ -160,10 +176,11 @@ def generic_step(
             unit = units[u]
             if unit.owner != rank or not ok:
                 continue
-            here = [present[u] if m == rank else member_present[(u, m)] for m in unit.members]
+            holders = (*unit.members, *unit.receivers)
+            here = [present[u] if m == rank else member_present[(u, m)] for m in holders]
             if len(set(here)) > 1:
-                have = [m for m, h in zip(unit.members, here, strict=True) if h]
-                lack = [m for m, h in zip(unit.members, here, strict=True) if not h]
+                have = [m for m, h in zip(holders, here, strict=True) if h]
+                lack = [m for m, h in zip(holders, here, strict=True) if not h]
                 raise ValueError(partial_grad_message(unit.meta.name, have, lack))
             if not present[u]:
                 continue
@@ -198,7 +215,7 @@ def generic_step(
             stepped, level, removed = _step_on(optimizer, view, shown, saved, params)
         except Exception as exc:  # the class's own step: reported like any other failure
             error, ok = exc, False
-    # owner -> members: the param's piece, param-shaped pieces, full other entries
+    # owner -> members and receivers: the param's piece, param-shaped pieces, full other entries
     out: list[tuple[list, list[torch.Tensor]]] = [([], []) for _ in range(world)]
     results: dict[int, tuple[list, list]] = {}
     try:
@@ -207,7 +224,10 @@ def generic_step(
             new_state = stepped.get(full_param, {})
             gi = group_index[mine[u]]
             settings = {k: v for k, v in groups[gi].items() if k != "params"}
-            for member, piece in zip(unit.members, unit.pieces, strict=True):
+            pairs = zip(
+                (*unit.members, *unit.receivers), (*unit.pieces, *unit.receiver_pieces), strict=True
+            )
+            for member, piece in pairs:
                 keys: list[tuple] = [
                     (GROUP, "g", None, None, settings),
                     (PARAM, "p", str(full_param.dtype), None, None),
@@ -232,7 +252,10 @@ def generic_step(
         error, ok = exc, False
     if not ok:
         out = [([], []) for _ in range(world)]
-    back, statuses_out = exchange_records("generic_out", out, int(error is not None), group)
+    back, statuses_out, packing = exchange_records(
+        "generic_out", out, int(error is not None), group
+    )
+    error = error or packing  # e.g. a group or state value that does not pickle
     if error is not None or any(statuses_out) or any(statuses):
         for g, before in zip(groups, values, strict=True):  # what the class's step set there
             for k in [k for k in g if k != "params" and k not in before]:
@@ -245,7 +268,7 @@ def generic_step(
             continue
         offset = 0
         for u, got_keys in header:  # type: ignore[attr-defined]
-            piece = units[u].pieces[units[u].members.index(rank)]
+            piece = units[u].piece_for(rank)
             tensors = []
             for _, kind, dt, shape, _ in got_keys:
                 if kind in ("v", "g"):
@@ -377,7 +400,12 @@ def _apply(optimizer, p: DTensor, keys: list[tuple], tensors: list) -> None:
         prev = old.get(k)
         if kind == "p":
             t = t.to(local.device).view(local.shape)
-            if isinstance(prev, DTensor) and prev.shape == p.shape and prev.dtype == t.dtype:
+            if (
+                isinstance(prev, DTensor)
+                and prev.shape == p.shape
+                and prev.dtype == t.dtype
+                and prev._local_tensor.shape == t.shape
+            ):
                 prev._local_tensor.copy_(t)
                 new[k] = prev
             else:
@@ -396,7 +424,12 @@ def _apply(optimizer, p: DTensor, keys: list[tuple], tensors: list) -> None:
             else:
                 new[k] = t.clone()
             continue
-        if isinstance(prev, DTensor) and prev.shape == t.shape and prev.dtype == t.dtype:
+        if (
+            isinstance(prev, DTensor)
+            and prev.shape == t.shape
+            and prev.dtype == t.dtype
+            and prev._local_tensor.shape == t.shape  # a replicated entry holds it whole
+        ):
             prev._local_tensor.copy_(t)
             new[k] = prev
         else:

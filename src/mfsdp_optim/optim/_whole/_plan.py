@@ -1,23 +1,26 @@
 """Who owns which param's whole-param update, and what every rank sends and receives.
 
 ``plan_units`` is pure: from every rank's ``ParamMeta`` list it builds the units (one per param
-instance and replica group: its shard group's ranks and their pieces), picks each unit's owner by
-longest-processing-time-first, and is identical on every rank. Muon's units span the replicas:
-one unit per param instance, its owner chosen among ALL ranks of the param's mesh (so the
-Newton-Schulz work is split over every rank that holds a copy, about total / world size each),
-its ``members`` the owner's shard group (they send the input) and its ``receivers`` the ranks of
-the other replica groups (they get the result only). ``build_plan`` gathers the metas with one
-object all-gather and validates them (every rank raises the same error), and gives the plan a
-digest of its units (names, layouts, owners) that every step agrees on before a byte moves;
-``muon_splits`` gives the byte counts the Muon exchange uses, so a test can count traffic
-without running it.
+instance, or one per param instance and replica group: a shard group's ranks and their pieces,
+and the other replica groups' ranks where it spans them), picks each unit's owner by
+longest-processing-time-first, and is identical on every rank. A spanning unit covers a param
+instance over all its replica groups: its owner is chosen among ALL ranks of the param's mesh
+(so the whole-param work is split over every rank that holds a copy, about total / world size
+each), its ``members`` are the owner's shard group (they send the input) and its ``receivers``
+the ranks of the other replica groups (they send their flags and get the result only). Muon's
+units always span; the generic path's span where ``spans_replicas`` says it moves fewer bytes.
+``build_plan`` gathers the metas with one object all-gather and validates them (every rank
+raises the same error), and gives the plan a digest of its units (names, layouts, owners) that
+every step agrees on before a byte moves;
+``muon_splits`` gives the byte counts the Muon exchange uses and ``generic_splits`` the piece
+bytes of the generic path's, so a test can count traffic without running it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +30,17 @@ from torch.distributed.tensor import DTensor
 from ..._infra.comm import all_gather_objects
 from ._pieces import Piece, PlacementKey, describe, piece_numel, piece_of
 
-__all__ = ["ParamMeta", "Unit", "WholeParamPlan", "build_plan", "muon_splits", "plan_units"]
+__all__ = [
+    "ParamMeta",
+    "Unit",
+    "WholeParamPlan",
+    "build_plan",
+    "generic_splits",
+    "generic_traffic",
+    "muon_splits",
+    "plan_units",
+    "spans_replicas",
+]
 
 STATUS_BYTES = 8  # every message starts with the sender's int64 status word
 FLAG_ALIGN = 8  # Muon: a member's per-unit flag bytes to an owner, padded to this
@@ -59,8 +72,8 @@ class Unit:
     pieces: tuple[Piece, ...]  # each member's piece
     owner: int
     cost: int
-    # ranks of the other replica groups that get the result without sending input (Muon), and
-    # their pieces; empty where every replica group has a unit of its own
+    # ranks of the other replica groups that get the result without sending input, and their
+    # pieces; empty where every replica group has a unit of its own
     receivers: tuple[int, ...] = ()
     receiver_pieces: tuple[Piece, ...] = ()
 
@@ -86,10 +99,16 @@ class WholeParamPlan:
     slot: dict = field(default_factory=dict)  # the recipe's cached per-rank lists
     digest: int = 0  # of the units, the same on every rank that built this plan together
     broken: bool = False  # a step with this plan was refused: rebuild it (on every rank)
+    span_replicas: bool | None = None  # what plan_units was given
 
-    def matches(self, params: Sequence[object], recipe: str) -> bool:
+    def matches(
+        self, params: Sequence[object], recipe: str, span_replicas: bool | None = None
+    ) -> bool:
         return (
-            not self.broken and recipe == self.recipe and tuple(map(id, params)) == self.param_ids
+            not self.broken
+            and recipe == self.recipe
+            and span_replicas == self.span_replicas
+            and tuple(map(id, params)) == self.param_ids
         )
 
 
@@ -120,14 +139,50 @@ def _coords(mesh_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     return out
 
 
+ReplicaGroup = tuple[tuple[int, ...], tuple[Piece, ...]]  # a shard group's ranks, their pieces
+
+
+def spans_replicas(recipe: str, meta: ParamMeta, replica_groups: Sequence[ReplicaGroup]) -> bool:
+    """The plan's default for one param instance: one unit over all its replica groups (True)
+    or one unit per replica group (False). Decided from the layout alone, the same on every rank.
+
+    Muon: always (only the bfloat16 Newton-Schulz input and result travel, and the work is
+    superlinear in the matrix). Any other recipe (the generic path): where the param has more
+    than one replica group and no rank's piece holds more than half of its elements. There
+    spanning moves strictly fewer piece bytes, whatever the class keeps: in each other replica
+    group, the ranks that would not have owned its unit no longer send their pieces of param,
+    grad and param-shaped state (``numel - largest`` elements or more, at ``2 x itemsize +
+    state`` bytes each), and the rank that would have owned it now receives its piece of the new
+    param and state (``largest`` elements or fewer, at ``itemsize + state`` bytes each); and
+    the owners do 1/replicas of the work. Not so where a rank holds more than half of the param
+    (a param replicated on every rank of its replica group: per replica group nothing travels
+    at all, spanning would send the whole new param and state to every other replica; or
+    shards as uneven as 2 rows and 1): there each replica group steps its own copy. The whole
+    (non-param-shaped) entries and the group values go to every holder either way, so spanning
+    sends them to one more rank per other replica group; a class whose whole entries outweigh a
+    piece of its param can then send more (``span_replicas=False`` keeps one unit per replica
+    group). ``plan_units`` then compares the whole plan with one unit per replica group."""
+    if recipe == "muon":
+        return True
+    if len(replica_groups) < 2:
+        return False
+    largest = max((piece_numel(pc) for pc in replica_groups[0][1]), default=0)
+    return 2 * largest <= math.prod(meta.shape)
+
+
 def plan_units(
     metas: Sequence[Sequence[ParamMeta]], recipe: str, span_replicas: bool | None = None
 ) -> tuple[Unit, ...]:
     """Every rank's metas (index = group rank) -> the units in canonical order, owners chosen.
 
-    ``span_replicas`` (default: Muon only): one unit per param instance over all its replica
-    groups (owner: any rank of its mesh; the other groups are receivers), instead of one unit
-    per replica group (owner: a rank of that group; what the generic path needs).
+    ``span_replicas``: True, one unit per param instance over all its replica groups (owner:
+    any rank of its mesh; the other groups' ranks are receivers); False, one unit per replica
+    group (owner: a rank of that group); None (default), per param as ``spans_replicas`` says
+    (Muon: always; the generic path: where it moves fewer bytes), except that the generic path
+    keeps one unit per replica group for every param where that plan gives its busiest rank no
+    more whole-param work and fewer bytes to move (param and grad in, the param back, for the
+    rank that moves the most): with more ranks than large params, both plans' busiest rank
+    does the largest param, and spanning's owner of it replies to every replica.
 
     Raises ValueError (the same one on every rank, since every rank sees the same input) when
     the ranks of a param's mesh disagree about it or one of them lacks it."""
@@ -147,10 +202,11 @@ def plan_units(
                     "layout on every rank"
                 )
             seen[m.key][1].add(rank)
-    # each entry: one update, its replica groups (members, pieces) and its cost; Muon's update
-    # of a param instance is one entry over all its replica groups, any other recipe's one
-    # entry per replica group
-    entries: list[tuple[ParamMeta, list[tuple[tuple[int, ...], tuple[Piece, ...]]], int]] = []
+    # each entry: one update, its replica groups (members, pieces) and its cost; a spanning
+    # update of a param instance is one entry over all its replica groups, else one entry per
+    # replica group
+    entries: list[tuple[ParamMeta, list[ReplicaGroup], int]] = []
+    per_replica: list[tuple[ParamMeta, list[ReplicaGroup], int]] = []  # the generic default's other
     for key in sorted(seen):
         meta, holders = seen[key]
         if holders != set(meta.mesh_ranks):
@@ -164,7 +220,7 @@ def plan_units(
         groups: dict[tuple[int, ...], list[int]] = {}
         for pos, c in enumerate(coords):
             groups.setdefault(tuple(c[d] for d in rep_dims), []).append(pos)
-        replica_groups = [
+        replica_groups: list[ReplicaGroup] = [
             (
                 tuple(meta.mesh_ranks[p] for p in positions),
                 tuple(
@@ -175,13 +231,53 @@ def plan_units(
             for positions in groups.values()
         ]
         cost = cost_of(meta, recipe)
-        if span_replicas if span_replicas is not None else recipe == "muon":
+        span = span_replicas
+        if span is None:
+            span = spans_replicas(recipe, meta, replica_groups)
+        if span:
             entries.append((meta, replica_groups, cost))
         else:
             entries.extend((meta, [rg], cost) for rg in replica_groups)
-    # longest processing time first: the costliest update goes to its least loaded candidate
-    # (any rank of any of its replica groups)
-    load = [0] * len(metas)
+        per_replica.extend((meta, [rg], cost) for rg in replica_groups)
+    units = _owners(entries, len(metas))
+    if span_replicas is not None or recipe == "muon" or len(entries) == len(per_replica):
+        return units
+    # the generic path's default: spanning, unless one unit per replica group gives the busiest
+    # rank no more whole-param work and fewer piece bytes to move (more ranks than large
+    # params: both plans' busiest rank does the largest param, and spanning's owner of it
+    # replies to every replica)
+    others = _owners(per_replica, len(metas))
+    if _busiest(others, len(metas)) <= _busiest(units, len(metas)):
+        most = [
+            max(map(max, generic_traffic(us, len(metas), _param_bytes))) for us in (units, others)
+        ]
+        if most[1] < most[0]:
+            return others
+    return units
+
+
+def _param_bytes(meta: ParamMeta) -> tuple[int, int, int]:
+    """What every class sends on the generic path, per element: param and grad in, param back
+    (its state is not in the plan)."""
+    dtype = getattr(torch, meta.dtype.removeprefix("torch."), None)
+    size = dtype.itemsize if isinstance(dtype, torch.dtype) else 4
+    return 2 * size, size, 0
+
+
+def _busiest(units: Sequence[Unit], world: int) -> int:
+    load = [0] * world
+    for u in units:
+        load[u.owner] += u.cost
+    return max(load, default=0)
+
+
+def _owners(
+    entries: Sequence[tuple[ParamMeta, list[ReplicaGroup], int]], world: int
+) -> tuple[Unit, ...]:
+    """The units of ``entries``, each owner chosen longest processing time first: the
+    costliest update goes to its least loaded candidate (any rank of any of its replica
+    groups)."""
+    load = [0] * world
     units: list[Unit | None] = [None] * len(entries)
     for i in sorted(range(len(entries)), key=lambda i: (-entries[i][2], i)):
         meta, replica_groups, cost = entries[i]
@@ -238,16 +334,23 @@ def build_plan(
     recipe: str,
     group: dist.ProcessGroup | None,
     extra_errors: Sequence[str] = (),
+    span_replicas: bool | None = None,
 ) -> WholeParamPlan:
     """Gather every rank's metas (one object all-gather over ``group``) and plan. Local errors
-    travel with the metas, so every rank raises the same ValueError after the gather."""
+    travel with the metas, so every rank raises the same ValueError after the gather, as it
+    does where ranks pass different ``span_replicas`` (see ``plan_units``)."""
     metas, errors = local_metas(params, names, group)
     errors.extend(extra_errors)
-    gathered = all_gather_objects((metas, errors), group)
-    all_errors = [f"rank {r}: {e}" for r, (_, errs) in enumerate(gathered) for e in errs]
+    gathered = all_gather_objects((metas, errors, span_replicas), group)
+    all_errors = [f"rank {r}: {e}" for r, (_, errs, _) in enumerate(gathered) for e in errs]
+    spans = [s for _, _, s in gathered]
+    if len(set(spans)) > 1:
+        all_errors.append(
+            f"ranks pass different span_replicas ({spans}, by rank): pass the same on every rank"
+        )
     if all_errors:
         raise ValueError("whole-param step refused: " + "; ".join(all_errors))
-    units = plan_units([m for m, _ in gathered], recipe)
+    units = plan_units([m for m, _, _ in gathered], recipe, span_replicas)
     rank = dist.get_rank(group)
     index = {u.meta.key: i for i, u in enumerate(units) if rank in u.members or rank in u.receivers}
     local_units = tuple(index[m.key] for m in metas)
@@ -260,6 +363,7 @@ def build_plan(
         tuple(map(id, params)),
         tuple(metas),
         digest=plan_digest(recipe, units),
+        span_replicas=span_replicas,
     )
 
 
@@ -316,6 +420,58 @@ def muon_splits(
     for s in (send_in, recv_in, send_out, recv_out):
         s[rank] = 0
     return send_in, recv_in, send_out, recv_out
+
+
+def generic_splits(
+    units: Sequence[Unit], rank: int, world: int, in_bytes: int, out_bytes: int, whole: int = 0
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The piece bytes ``rank`` sends to and receives from each rank on the generic path, every
+    unit with grads: (send_in, recv_in, send_out, recv_out), self excluded. Each member that
+    is not the owner sends ``in_bytes`` per element of its piece (param, grad and the
+    param-shaped state entries); a receiver sends none (its flags travel in the header). The
+    owner sends each member and receiver ``out_bytes`` per element of its piece (the new param
+    and param-shaped entries) and ``whole`` bytes (the other tensor entries, whole). Status
+    words, the headers (keys, flags, group values, pickled) and the sizes exchange are not
+    counted: they are small and follow the state, not the plan."""
+    send_in, recv_in = [0] * world, [0] * world
+    send_out, recv_out = [0] * world, [0] * world
+    for u in units:
+        holders = zip((*u.members, *u.receivers), (*u.pieces, *u.receiver_pieces), strict=True)
+        for holder, piece in holders:
+            if holder == u.owner or rank not in (holder, u.owner):
+                continue
+            n = piece_numel(piece)
+            sent_in = in_bytes * n if holder in u.members else 0
+            back = out_bytes * n + whole
+            if rank == u.owner:
+                recv_in[holder] += sent_in
+                send_out[holder] += back
+            else:
+                send_in[u.owner] += sent_in
+                recv_out[u.owner] += back
+    return send_in, recv_in, send_out, recv_out
+
+
+def generic_traffic(
+    units: Sequence[Unit], world: int, sizes: Callable[[ParamMeta], tuple[int, int, int]]
+) -> list[tuple[int, int]]:
+    """Each rank's (sent, received) piece bytes on the generic path in one pass over the units:
+    what ``generic_splits`` gives summed over peers, with ``sizes(meta)`` giving each param's
+    ``(in_bytes, out_bytes, whole)`` (a class's state differs between params)."""
+    sent, received = [0] * world, [0] * world
+    for u in units:
+        in_bytes, out_bytes, whole = sizes(u.meta)
+        holders = zip((*u.members, *u.receivers), (*u.pieces, *u.receiver_pieces), strict=True)
+        for holder, piece in holders:
+            if holder == u.owner:
+                continue
+            n = piece_numel(piece)
+            if holder in u.members:
+                sent[holder] += in_bytes * n
+                received[u.owner] += in_bytes * n
+            sent[u.owner] += out_bytes * n + whole
+            received[holder] += out_bytes * n + whole
+    return list(zip(sent, received, strict=True))
 
 
 def flag_bytes(count: int) -> int:

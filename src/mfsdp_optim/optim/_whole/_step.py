@@ -110,6 +110,7 @@ def step_whole_params(
     plan_cache: WholeParamPlan | None = None,
     names: Sequence[str] | None = None,
     batched_ns: bool | None = False,
+    span_replicas: bool | None = None,
 ) -> WholeParamPlan:
     """Do what ``optimizer.step()`` does to the unsharded ``params`` with their global grads,
     each update computed on the whole param; returns the plan to pass as ``plan_cache`` next.
@@ -130,6 +131,9 @@ def step_whole_params(
     every rank, and the plan is rebuilt on every rank at the next call.
     ``batched_ns``: Muon owners batch Newton-Schulz per matrix shape (True), where shown bit
     for bit on their device (None), or never (False); see ``_muon``.
+    ``span_replicas`` (the same on every rank): one owner per param over all its replica
+    groups (True), one per replica group (False), or per param where that moves fewer bytes
+    (None; Muon always spans); see ``_plan.spans_replicas``. The result is the same either way.
     """
     where = _positions(optimizer)
     recipe = recipe_for(optimizer)
@@ -138,7 +142,7 @@ def step_whole_params(
             "group{}.param{}".format(*where[id(p)]) if id(p) in where else f"unknown{i}"
             for i, p in enumerate(params)
         ]
-    rebuild = plan_cache is None or not plan_cache.matches(params, recipe)
+    rebuild = plan_cache is None or not plan_cache.matches(params, recipe, span_replicas)
     error: BaseException | None = None
     try:  # local checks, before anything changes and before any byte moves
         check_whole_hyperparameters(optimizer)
@@ -156,7 +160,8 @@ def step_whole_params(
     if not verdict.same:
         raise RankMismatchError(_disagreement(verdict.details or []))
     if rebuild:
-        plan = build_plan(params, names, recipe, group, _build_errors(recipe, params, names, where))
+        errors = _build_errors(recipe, params, names, where)
+        plan = build_plan(params, names, recipe, group, errors, span_replicas)
     else:
         plan = plan_cache  # type: ignore[assignment]
     group_index = [where[id(p)][0] for p in params]
