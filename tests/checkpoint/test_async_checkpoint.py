@@ -662,3 +662,47 @@ def test_async_saves_in_a_row_write_each_ones_shapes_and_values(tmp_path):
             load_checkpoint(target, str(tmp_path / f"c{i}"))
             for k, v in state.items():
                 assert torch.equal(target["s"][k], v), (i, k)
+
+
+def _staged_dtensors():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from mfsdp_optim.checkpoint._async import stage
+
+    mesh = init_device_mesh("cpu", (2,))
+    r = dist.get_rank()
+
+    def live(placements, add):
+        local = torch.arange(8.0).view(2, 4) + 10 * r + add
+        shape = (4, 4) if placements[0] == Shard(0) else (2, 4)
+        return {
+            "w": DTensor.from_local(local, mesh, placements, shape=shape, stride=(4, 1)),
+            "b": torch.full((3,), float(add)),
+        }
+
+    sd = live([Shard(0)], 0)
+    first = stage(sd)
+    sd["w"]._local_tensor.add_(1.0)  # the same DTensor (its spec object), new values
+    again = stage(sd)
+    values = torch.equal(again["w"]._local_tensor, sd["w"]._local_tensor)
+    other = stage(live([Replicate()], 2))  # same local shapes, another spec
+    out = {
+        "reused": again["w"] is first["w"],
+        "values": values,
+        "new_spec": other["w"] is not first["w"] and other["w"].placements == (Replicate(),),
+        "new_values": torch.equal(
+            other["w"]._local_tensor, torch.arange(8.0).view(2, 4) + 10 * r + 2
+        ),
+        "global": tuple(other["w"].shape) == (2, 4) and tuple(again["w"].shape) == (4, 4),
+        "plain": torch.equal(other["b"], torch.full((3,), 2.0)),
+    }
+    return out
+
+
+def test_stage_reuses_a_dtensor_only_for_the_same_view_and_spec(ranks):
+    """The staged DTensor of the previous save is handed out again only around the same host
+    view with the very same spec (its values the new copy's); another spec over the same local
+    shapes gets a DTensor of its own."""
+    for rank, out in enumerate(ranks(2).run(_staged_dtensors)):
+        assert all(out.values()), (rank, out)

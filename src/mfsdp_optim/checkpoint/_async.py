@@ -147,8 +147,12 @@ def background_group(group: dist.ProcessGroup | None, ranks: list[int]) -> dist.
 
 _IMMUTABLE = (str, int, float, bool, bytes, type(None))
 _BUFFERS: dict[tuple[torch.dtype, str], torch.Tensor] = {}
-# per buffer key: the buffer the views were cut from, the shapes they were cut for, the views
-_VIEWS: dict[tuple[torch.dtype, str], tuple[torch.Tensor, tuple[torch.Size, ...], list]] = {}
+# per buffer key: the buffer the views were cut from, the shapes they were cut for, the views,
+# and the DTensor last built around each view (None until one is)
+_VIEWS: dict[
+    tuple[torch.dtype, str],
+    tuple[torch.Tensor, tuple[torch.Size, ...], list[torch.Tensor], list[Any]],
+] = {}
 
 
 class _Leaf(NamedTuple):
@@ -159,15 +163,27 @@ class _Leaf(NamedTuple):
     spec: Any
 
 
-def _views(key: tuple[torch.dtype, str], shapes: tuple[torch.Size, ...]) -> list[torch.Tensor]:
+class _Copy(NamedTuple):
+    """Where a source's copy went: its view into the host buffer, and the list (kept with the
+    views) holding, at ``slot``, the DTensor last built around that view."""
+
+    view: torch.Tensor
+    wrapped: list[Any]
+    slot: int
+
+
+def _views(
+    key: tuple[torch.dtype, str], shapes: tuple[torch.Size, ...]
+) -> tuple[list[torch.Tensor], list[Any]]:
     """Views of ``shapes``, one after the other, into the host buffer of ``key`` (allocated
-    when missing or of another size). The views are kept with the buffer and the shapes they
-    were cut for, and reused only when both are the same (cutting 2,400 views costs ~5 ms; the
-    staged copy of the previous save is no longer in use: ``settle`` waited for it)."""
+    when missing or of another size), and the list of DTensors built around them. Both are
+    kept with the buffer and the shapes they were cut for, and reused only when both are the
+    same (cutting 2,400 views costs ~5 ms; the staged copy of the previous save is no longer in
+    use: ``settle`` waited for it)."""
     buf = _BUFFERS.get(key)
     cached = _VIEWS.get(key)
     if cached is not None and cached[0] is buf and cached[1] == shapes:
-        return cached[2]
+        return cached[2], cached[3]
     _VIEWS.pop(key, None)
     sizes = [math.prod(s) for s in shapes]
     total = sum(sizes)
@@ -176,11 +192,12 @@ def _views(key: tuple[torch.dtype, str], shapes: tuple[torch.Size, ...]) -> list
         pinned = key[1] == "cuda" and torch.cuda.is_available()
         buf = _BUFFERS[key] = torch.empty(total, dtype=key[0], pin_memory=pinned)
     views = [v.view(s) for v, s in zip(buf.split(sizes), shapes, strict=True)]
-    _VIEWS[key] = (buf, shapes, views)
-    return views
+    wrapped: list[Any] = [None] * len(views)
+    _VIEWS[key] = (buf, shapes, views, wrapped)
+    return views, wrapped
 
 
-def _copy_flat(sources: list[torch.Tensor]) -> list[torch.Tensor]:
+def _copy_flat(sources: list[torch.Tensor]) -> list[_Copy]:
     """Host copies of ``sources``: views into ONE host buffer per dtype and device type (pinned
     for CUDA sources), filled by one ``_foreach_copy_`` (CPU) or non-blocking copies (devices).
     The buffers, and the views when the shapes are the same, are kept for the next save. Why
@@ -190,17 +207,17 @@ def _copy_flat(sources: list[torch.Tensor]) -> list[torch.Tensor]:
     groups: dict[tuple[torch.dtype, str], list[int]] = {}
     for i, src in enumerate(sources):
         groups.setdefault((src.dtype, src.device.type), []).append(i)
-    out: list[torch.Tensor | None] = [None] * len(sources)
+    out: list[_Copy | None] = [None] * len(sources)
     for key, idx in groups.items():
         srcs = [sources[i] for i in idx]
-        views = _views(key, tuple(s.shape for s in srcs))
+        views, wrapped = _views(key, tuple(s.shape for s in srcs))
         if key[1] == "cpu":
             torch._foreach_copy_(views, srcs)
         else:
             for view, src in zip(views, srcs, strict=True):
                 view.copy_(src, non_blocking=True)
-        for view, i in zip(views, idx, strict=True):
-            out[i] = view
+        for slot, i in enumerate(idx):
+            out[i] = _Copy(views[slot], wrapped, slot)
     if any(key[1] == "cuda" for key in groups):
         torch.cuda.synchronize()  # the non-blocking copies are complete on return
     return out  # type: ignore[return-value]
@@ -221,10 +238,10 @@ def stage(state_dict: Mapping[str, Any]) -> dict[str, Any]:
 
     def collect(value: Any) -> Any:
         if isinstance(value, DTensor):
-            sources.append(value._local_tensor.detach())
+            sources.append(value._local_tensor)  # read under no_grad: no detach needed
             return _Leaf(len(sources) - 1, value._spec)
         if isinstance(value, torch.Tensor):
-            sources.append(value.detach())
+            sources.append(value)
             return _Leaf(len(sources) - 1, None)
         if isinstance(value, Mapping) and not isinstance(value, GroupMetaTable):
             return {k: collect(v) for k, v in value.items()}
@@ -241,10 +258,15 @@ def stage(state_dict: Mapping[str, Any]) -> dict[str, Any]:
 
     def fill(value: Any) -> Any:
         if isinstance(value, _Leaf):
-            local = copies[value.at]
+            view, wrapped, slot = copies[value.at]
             if value.spec is None:
-                return local
-            return DTensor(local, value.spec, requires_grad=False)
+                return view
+            # the DTensor of the previous save around the same view, when its spec is the same
+            # object (the state dict's DTensors share their param's spec): ~2 us each saved
+            last = wrapped[slot]
+            if last is None or last._spec is not value.spec:
+                last = wrapped[slot] = DTensor(view, value.spec, requires_grad=False)
+            return last
         if isinstance(value, dict):
             return {k: fill(v) for k, v in value.items()}
         if isinstance(value, list):
