@@ -116,6 +116,8 @@ def describe_state(
     meta: dict[str, dict[str, Any]] = {}
     scalars: dict[tuple, list[tuple[dict, str, torch.Tensor]]] = defaultdict(list)
     held: list[tuple[str, int]] = []  # (fqn, group index) of the records this rank holds
+    # by id, once: a tensor-keyed lookup per record would call Tensor.__hash__ (Python) each time
+    live_of = {id(p): s for p, s in optimizer.state.items()}
     for rec in records:
         if rec.opt_param is None:
             continue
@@ -137,7 +139,7 @@ def describe_state(
             hyper_id[gi] = hypers.setdefault(repr(sorted_meta), len(hypers))
         meta[rec.fqn] = plain
         held.append((rec.fqn, gi))
-        live = optimizer.state.get(rec.opt_param)
+        live = live_of.get(id(rec.opt_param))
         if not live:
             continue
         entries: dict[str, tuple[EntryLayout, Any]] = {}
@@ -153,9 +155,10 @@ def describe_state(
         state[rec.fqn] = entries
     # one host transfer per (device, dtype) of scalar state, not one .item() per param
     for batch in scalars.values():
-        values = torch.stack([t.detach() for _, _, t in batch]).tolist()
+        with torch.no_grad():
+            values = torch.stack([t for _, _, t in batch]).tolist()
         for (entries, key, value), v in zip(batch, values, strict=True):
-            entries[key] = (entries[key][0]._replace(value=v), value)
+            entries[key] = (EntryLayout(SCALAR, entries[key][0].dtype, v), value)
     slots: list[tuple] = []
     slot_index: dict[tuple, int] = {}
     fqns: dict[str, tuple[int, int]] = {}
