@@ -8,6 +8,8 @@ _build > _layout > _build``: no return to a module already left except to the or
 and no leaf calling back into a stage. Traced on 1 rank and on 2 real gloo ranks whose digests
 are equal (no merge) and differ (the empty-shard filter: a merge), saving and loading, with
 the collectives counted beside it (ONE ``all_reduce``; the gather only when digests differ).
+The digest, hashed before any table exists, is checked to decide as the fingerprint of the
+table each rank would emit did (the reference, computed independently).
 """
 
 from __future__ import annotations
