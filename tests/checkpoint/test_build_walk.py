@@ -320,3 +320,38 @@ def test_the_digest_decides_as_the_table_fingerprint_did(ranks):
     # the variants that must agree with the base do, the others do not
     agree = {x for x in _VARIANTS if out[x][0] == out["base"][0]}
     assert agree == {"base", "split_equal"}, agree
+
+
+# ------------------------------------------------------------------------------------------
+# the same bytes: the table as DCP pickles it, against the bytes of the build before the walk
+
+
+def _table_bytes(rows_tiny: int) -> str:
+    """SHA-256 of the table as ``torch.save`` pickles it (protocol 2), after a third step of
+    ``a`` alone (two scalar leaves of one dtype: whether their dtype name is one shared string or
+    two shows in the pickle)."""
+    import hashlib
+    import pickle
+
+    opt, records = _setup(rows_tiny, True)
+    for g in opt.param_groups:
+        for p in g["params"]:
+            p.grad = None
+    records[0].opt_param.grad = torch.ones_like(records[0].opt_param)
+    opt.step()
+    table = build_sharded_state_dict(opt, records)["param_to_group_meta"]
+    return hashlib.sha256(pickle.dumps(table, protocol=2)).hexdigest()
+
+
+# written by the build of d3a00f5 (before the walk) on the same setup
+_BEFORE = {
+    (1, 8): "232267f1ea08138e8eef7b247ad9653a1f26ff4c2ad4328ab558b1db2ca925fd",
+    (2, 8): "232267f1ea08138e8eef7b247ad9653a1f26ff4c2ad4328ab558b1db2ca925fd",
+    (2, 1): "232267f1ea08138e8eef7b247ad9653a1f26ff4c2ad4328ab558b1db2ca925fd",
+}
+
+
+@pytest.mark.parametrize(("world", "rows_tiny"), list(_BEFORE))
+def test_the_table_pickles_to_the_bytes_it_did(ranks, world, rows_tiny):
+    out = ranks(world).run(_table_bytes, rows_tiny)
+    assert out == [_BEFORE[(world, rows_tiny)]] * world, out

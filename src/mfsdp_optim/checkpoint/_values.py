@@ -117,22 +117,20 @@ def group_meta(group: dict, where: str) -> dict[str, Any]:
     }
 
 
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
-# the layouts without a value, one object per (kind, dtype): classify() returns them per entry
-_NO_VALUE: dict[tuple[str, torch.dtype], EntryLayout] = {}
+# one PARAM_SHAPED layout per dtype: classify() returns it for most entries. Not the SCALAR ones:
+# their dtype name goes into the table, whose pickle must stay byte for byte what it was (a
+# fresh string per scalar; a shared one would be pickled once and referenced after)
+_PARAM_SHAPED: dict[torch.dtype, EntryLayout] = {}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
-    return name
+    return str(dtype).removeprefix("torch.")
 
 
-def _no_value(kind: str, dtype: torch.dtype) -> EntryLayout:
-    layout = _NO_VALUE.get((kind, dtype))
+def _param_shaped(dtype: torch.dtype) -> EntryLayout:
+    layout = _PARAM_SHAPED.get(dtype)
     if layout is None:
-        layout = _NO_VALUE[(kind, dtype)] = EntryLayout(kind, dtype_name(dtype), None)
+        layout = _PARAM_SHAPED[dtype] = EntryLayout(PARAM_SHAPED, dtype_name(dtype), None)
     return layout
 
 
@@ -151,7 +149,7 @@ def classify(fqn: str, key: str, value: Any, param: DTensor) -> EntryLayout:
     """
     if isinstance(value, DTensor):
         if value.shape == param.shape:
-            return _no_value(PARAM_SHAPED, value.dtype)
+            return _param_shaped(value.dtype)
         where = f"state {fqn!r}[{key!r}] (a DTensor of global shape {tuple(value.shape)})"
         if value.device_mesh != param.device_mesh:
             raise StateLayoutError(
@@ -166,9 +164,9 @@ def classify(fqn: str, key: str, value: Any, param: DTensor) -> EntryLayout:
         return EntryLayout(OWN_LAYOUT, dtype_name(value.dtype), own_layout(value))
     if isinstance(value, torch.Tensor):
         if value.dim() == 0 and (param.dim() > 0 or key == "step"):
-            return _no_value(SCALAR, value.dtype)
+            return EntryLayout(SCALAR, dtype_name(value.dtype), None)
         if value.shape == param._local_tensor.shape:
-            return _no_value(PARAM_SHAPED, value.dtype)
+            return _param_shaped(value.dtype)
         raise StateLayoutError(
             f"state {fqn!r}[{key!r}] is a plain tensor of shape {tuple(value.shape)}, neither the "
             f"local shard's shape {tuple(param._local_tensor.shape)} nor a 0-d scalar: its layout "
