@@ -59,8 +59,7 @@ def state_dtensors(
                 continue
             mine = own.get(key)
             if mine is not None:
-                value = mine[1]
-                entry[key] = value if isinstance(value, DTensor) else in_layout_of(value, rec.param)
+                entry[key] = wrap(mine[1], rec.param)
             elif kind == PARAM_SHAPED or is_loading:
                 entry[key] = placeholder(slot, rec.param)
         if entry:
