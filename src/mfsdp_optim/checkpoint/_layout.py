@@ -2,7 +2,7 @@
 
 Map: ``state_dtensors`` (the stage's one entry) gives every record whose FQN has slots in the
 agreed ``Keyspace`` its ``{key: value}``: this rank's own state value as a DTensor in the param's
-layout (``wrap``, sharing storage) or, where this rank holds none, the ``placeholder`` of the
+layout (sharing storage) or, where this rank holds none, the ``placeholder`` of the
 slot's ``EntryLayout`` (what a slot's kind means: ``_values``). ``local_shape`` the local shard's
 shape.
 
@@ -26,7 +26,7 @@ from ._values import OWN_LAYOUT, PARAM_SHAPED, SCALAR, EntryLayout, dtype_from_n
 if TYPE_CHECKING:
     from ._keyspace import Keyspace
 
-__all__ = ["local_shape", "placeholder", "state_dtensors", "wrap"]
+__all__ = ["local_shape", "placeholder", "state_dtensors"]
 
 
 def local_shape(param: DTensor) -> torch.Size:
@@ -58,20 +58,14 @@ def state_dtensors(
             if kind != PARAM_SHAPED and kind != OWN_LAYOUT:
                 continue
             mine = own.get(key)
-            if mine is not None:
-                entry[key] = wrap(mine[1], rec.param)
+            if mine is not None:  # this rank's value, as a DTensor in the param's layout
+                value = mine[1]
+                entry[key] = value if isinstance(value, DTensor) else in_layout_of(value, rec.param)
             elif kind == PARAM_SHAPED or is_loading:
                 entry[key] = placeholder(slot, rec.param)
         if entry:
             state[rec.fqn] = entry
     return state
-
-
-def wrap(value: torch.Tensor, param: DTensor) -> DTensor:
-    """A parameter-shaped state tensor as a DTensor in the parameter's layout, sharing storage."""
-    if isinstance(value, DTensor):
-        return value
-    return in_layout_of(value, param)
 
 
 def placeholder(slot: EntryLayout, param: DTensor) -> Any:
