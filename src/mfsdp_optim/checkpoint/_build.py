@@ -1,10 +1,24 @@
 """``build_sharded_state_dict``: the fsdp_dtensor optimizer state dict of one rank (format 3).
 
 Map: ``build_sharded_state_dict`` -> ``{"state": {fqn: {key: DTensor}}, "param_to_group_meta":
-GroupMetaTable}`` (the table: ``_table``; ONE DCP item, identical on every rank, covering every
-FQN any rank's optimizer holds); the keyspace agreed through ``_keyspace``; ``KeyspaceError``
-when ranks disagree. Precondition: every rank of ``group`` calls it. The layout, and formats 1
-and 2 that every loader still reads: docs/checkpoint.md, "The layout".
+GroupMetaTable}`` (the table: ONE DCP item, identical on every rank, covering every FQN any
+rank's optimizer holds); ``KeyspaceError`` when ranks disagree. Precondition: every rank of
+``group`` calls it. The layout, and formats 1 and 2 that every loader still reads:
+docs/checkpoint.md, "The layout".
+
+The walk: this module is the orchestrator. It calls each stage's one entry once, in this order,
+and each stage returns for good (``tests/checkpoint/test_build_walk.py`` traces it):
+
+1. ``_materialize.first_step_state``: state for a load target (``is_loading``), and the keys a
+   param this rank's optimizer does not hold would get;
+2. ``_keyspace.agreed_keyspace``: describe, digest, agree (ONE ``all_reduce``), merge (ONE
+   gather, only when the digests differ);
+3. ``_table.GroupMetaTable.from_keyspace``: ``param_to_group_meta`` from the agreed keyspace;
+4. ``_layout.state_dtensors``: the ``"state"`` DTensors.
+
+A stage calls only leaves (``_values``, ``_infra``), never another stage. Imports point one
+way, from a later stage to an earlier one, for types only: ``_layout`` and ``_table`` ->
+``_keyspace`` (``Keyspace``) -> ``_materialize`` (``Signature``); ``_build`` imports all four.
 """
 
 from __future__ import annotations
@@ -15,16 +29,9 @@ import torch
 import torch.distributed as dist
 
 from .._infra.params import ParamRecord
-from ._keyspace import (
-    Keyspace,
-    agree_keyspace,
-    describe_state,
-    digest,
-    local_keyspace,
-    merge,
-)
-from ._layout import placeholder, wrap
-from ._materialize import materialize_optimizer_state
+from ._keyspace import agreed_keyspace
+from ._layout import state_dtensors
+from ._materialize import first_step_state
 from ._table import GroupMetaTable, OptimizerStateDict
 
 __all__ = ["KeyspaceError", "build_sharded_state_dict"]
@@ -82,59 +89,14 @@ def build_sharded_state_dict(
             (non-parameter-shaped tensors, non-plain hyperparameters) or ranks disagree on a
             param's keys, dtypes or hyperparameters (a ``ValueError``).
     """
-    if is_loading:
-        if init_state_fn is not None:
-            init_state_fn(optimizer)
-        else:
-            materialize_optimizer_state(optimizer)
-    local = describe_state(optimizer, records)
-    keyspace = local_keyspace(local)
-    table = _table(keyspace)
-    descriptions = agree_keyspace(local, digest(local, table.fingerprint()), group)
-    if descriptions is not None:
-        keyspace, errors = merge(descriptions)
-        if errors:
-            raise KeyspaceError(
-                "cannot build a rank-consistent optimizer state dict:" + _format(errors)
-            )
-        table = _table(keyspace)
-    state: dict[str, dict] = {}
-    for rec in records:
-        slots = keyspace.state.get(rec.fqn)
-        if not slots:
-            continue
-        own = local.state.get(rec.fqn, {})
-        entry = {}
-        for key, slot in slots:
-            if slot.kind not in ("t", "r"):
-                continue
-            if key in own:
-                entry[key] = wrap(own[key][1], rec.param)
-            elif slot.kind == "t" or is_loading:
-                entry[key] = placeholder(slot, rec.param)
-            # else: an "r" value this rank lacks is not saved from here: its zeros could be the
-            # copy of a replicated chunk that DCP keeps; the ranks that hold it write it
-        if entry:
-            state[rec.fqn] = entry
+    derived = first_step_state(
+        optimizer, records, is_loading=is_loading, init_state_fn=init_state_fn
+    )
+    keyspace, errors = agreed_keyspace(optimizer, records, derived, group)
+    if errors:
+        raise KeyspaceError(
+            "cannot build a rank-consistent optimizer state dict:" + _format(errors)
+        )
+    table = GroupMetaTable.from_keyspace(keyspace)
+    state = state_dtensors(records, keyspace, is_loading=is_loading)
     return OptimizerStateDict(state=state, param_to_group_meta=table)
-
-
-def _table(keyspace: Keyspace) -> GroupMetaTable:
-    """``param_to_group_meta``: one ``(hyperparameters, scalars)`` leaf per FQN of
-    ``keyspace.meta`` (the params this rank's optimizer holds when the digests agree, every
-    rank's after a merge), in its order, which is the same on every rank either way."""
-    sorted_of: dict[int, tuple] = {}  # a param group's hyperparameter dict is shared: sort once
-
-    def leaves():
-        for fqn, hyper in keyspace.meta.items():
-            h = sorted_of.get(id(hyper))
-            if h is None:
-                h = sorted_of[id(hyper)] = tuple(sorted(hyper.items()))
-            scalars = tuple(
-                (k, s.value, s.dtype if s.kind == "s" else None)
-                for k, s in keyspace.state.get(fqn, ())
-                if s.kind in ("s", "n")
-            )
-            yield fqn, (h, scalars)
-
-    return GroupMetaTable.from_leaves(leaves())

@@ -1,118 +1,123 @@
-"""The rank-consistent keyspace: derived locally on every rank, agreed with a fixed-size digest.
+"""Stage 2 of the build: the rank-consistent keyspace, derived locally and agreed with a digest.
 
-Map: ``describe_state`` this rank's ``LocalState`` (per FQN the sorted ``(state key, dtype)``
-signature, ``derive_signature`` for a param its optimizer does not hold, plus the table it will
-emit); ``digest`` + ``agree_keyspace`` (over ``_infra.agreement.agree``): ONE 32-byte
-``all_reduce``, all match? ``local_keyspace`` the common case, ``merge`` the detailed
-exchange's fallback (one ``all_gather_object`` of compact descriptions). The decision to fall
-back is the all-reduce's result, so every rank issues the same collectives; nothing is raised
-before one. ``scratch_copy`` (an optimizer stepping zero clones: used here to derive signatures
-and by ``_materialize``, which comes after this module on the build path). The protocol and the
-description's fields: docs/internals.md, "Inside the checkpoint layer".
+Map: ``agreed_keyspace`` (the stage's one entry): ``describe_state`` this rank's ``LocalState``
+(per FQN of its records, the ``EntryLayout`` of each state value, ``_values.classify``; the
+compact description; the items of the digest); ``digest`` + ``agree_keyspace`` (over
+``_infra.agreement.agree``): ONE 32-byte ``all_reduce``, all match? ``local_keyspace`` the common
+case, ``merge`` the detailed exchange's fallback (one ``all_gather_object`` of compact
+descriptions). The decision to fall back is the all-reduce's result, so every rank issues the
+same collectives; nothing is raised before one. The digest covers every record's tensor
+signature and the ``param_to_group_meta`` table this rank would emit (hyperparameters and scalar
+state per held FQN, in order), so the table is built once, after the agreement, from the agreed
+``Keyspace``. The protocol and the description's fields: docs/internals.md, "Inside the
+checkpoint layer".
+
+Imports: the leaves ``_values`` and ``_infra.agreement``; ``_materialize``'s ``Signature`` for
+types only. The later stages (``_table``, ``_layout``) read the ``Keyspace`` it returns and call
+nothing here (the walk: ``_build``'s map).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, defaultdict
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from .._infra import agreement
 from .._infra.params import ParamRecord
-from ._layout import EntryLayout, StateLayoutError, classify
-from ._values import PlainValueError, dtype_name, group_meta
+from ._values import (
+    PARAM_SHAPED,
+    SCALAR,
+    EntryLayout,
+    PlainValueError,
+    StateLayoutError,
+    classify,
+    group_meta,
+)
+
+if TYPE_CHECKING:
+    from ._materialize import Signature
 
 __all__ = [
     "Keyspace",
     "LocalState",
     "agree_keyspace",
-    "derive_signature",
+    "agreed_keyspace",
     "describe_state",
+    "digest",
+    "local_keyspace",
     "merge",
-    "scratch_copy",
 ]
 
-Signature = tuple[tuple[str, str], ...]  # sorted (state key, dtype name) of tensor state
-
-
-def scratch_copy(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """A shallow copy of ``optimizer`` with its own empty state and no step hooks, for stepping
-    other params with the class's own ``step``. Every attribute is shared (``copy.copy`` would
-    keep only what ``Optimizer.__getstate__`` names: defaults, state, param_groups, and so drop
-    e.g. apex FusedAdam's ``capturable`` and ``param_groups_master``); the caller sets
-    ``param_groups`` (and any list kept beside them) before stepping it."""
-    scratch = object.__new__(type(optimizer))
-    scratch.__dict__.update(optimizer.__dict__)
-    scratch.state = defaultdict(dict)
-    scratch._optimizer_step_pre_hooks = OrderedDict()
-    scratch._optimizer_step_post_hooks = OrderedDict()
-    return scratch
+_UNKNOWN: Signature = (("?", "?"),)  # never matches a real signature: forces the merge
 
 
 class LocalState(NamedTuple):
     """This rank's live state, classified: fqn -> {key: (EntryLayout, value)} for the params it
-    holds."""
+    holds; the hyperparameters per held FQN; the compact description; the derived signature of
+    every record its optimizer does not hold; what the digest hashes (``digest``)."""
 
     state: dict[str, dict[str, tuple[EntryLayout, Any]]]
     meta: dict[str, dict[str, Any]]
     description: dict
-    signatures: dict[str, Signature]  # every record's tensor signature, derived where no state
+    derived: dict[str, Signature]
+    digest_items: tuple[str, str]
 
 
 class Keyspace(NamedTuple):
-    """The merged, rank-consistent view: ordered slots per FQN with state, meta per held FQN."""
+    """The merged, rank-consistent view: ordered slots per FQN with state, meta per held FQN
+    (every rank's after a merge, in the same order on every rank either way), and this rank's
+    own state per FQN it holds (``LocalState.state``: the values the state dict wraps)."""
 
     state: dict[str, tuple[tuple[str, EntryLayout], ...]]
     meta: dict[str, dict[str, Any]]
+    own: dict[str, dict[str, tuple[EntryLayout, Any]]]
 
 
-def _group_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
-    return {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
-
-
-def derive_signature(
+def agreed_keyspace(
     optimizer: torch.optim.Optimizer,
-    group: dict,
-    dtype: torch.dtype,
-) -> Signature:
-    """The parameter-shaped state keys and dtypes that ``type(optimizer)``'s first step creates
-    for a param of ``dtype`` in a group with ``group``'s hyperparameters, learned by stepping a
-    scratch copy on ONE zero-element param (nothing of ``optimizer`` is touched). Keys whose first
-    step creates none (SGD without momentum) give ``()``; an optimizer that cannot be stepped this
-    way (a closure, sparse grads) gives ``(("?", "?"),)``, which never matches a real signature, so
-    the agreement falls back to learning the keys from the ranks that hold them."""
-    scratch = scratch_copy(optimizer)
-    p = torch.zeros(0, dtype=dtype)
-    p.grad = torch.zeros_like(p)
-    scratch.param_groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [p]}]
-    try:
-        with torch.no_grad():
-            type(optimizer).step(scratch)
-    except Exception:  # noqa: BLE001 - any failure just means "learn it from the owners"
-        return (("?", "?"),)
-    new = scratch.state.get(p) or {}
-    return tuple(
-        sorted(
-            (k, dtype_name(v.dtype))
-            for k, v in new.items()
-            if isinstance(v, torch.Tensor) and v.shape == p.shape
-        )
-    )
+    records: Sequence[ParamRecord],
+    derived: Mapping[torch.dtype, Signature],
+    group: dist.ProcessGroup | None,
+) -> tuple[Keyspace, list[str]]:
+    """Stage 2 of ``build_sharded_state_dict``: the keyspace every rank of ``group`` agrees on,
+    and the errors every rank raises (``[]`` when none). ``derived``: per dtype, the signature a
+    param this rank's optimizer does not hold would get (``_materialize.first_step_state``).
+    Every rank issues ONE ``all_reduce`` of the digest, then ONE object gather only when the
+    digests differ."""
+    local = describe_state(optimizer, records, derived)
+    descriptions = agree_keyspace(local, digest(local), group)
+    if descriptions is None:
+        return local_keyspace(local), []
+    keyspace, errors = merge(descriptions)
+    return keyspace._replace(own=local.state), errors
 
 
-def describe_state(optimizer: torch.optim.Optimizer, records: Sequence[ParamRecord]) -> LocalState:
-    """Classify this rank's state and build its compact description (no collective)."""
+def describe_state(
+    optimizer: torch.optim.Optimizer,
+    records: Sequence[ParamRecord],
+    derived: Mapping[torch.dtype, Signature] | None = None,
+) -> LocalState:
+    """Classify this rank's state and build its compact description and digest items (no
+    collective). ``derived``: per dtype, the signature of a record its optimizer does not hold
+    (missing: one that never matches, so the digests differ)."""
     errors: list[str] = []
-    group_of = _group_index(optimizer)
-    metas: list[tuple] = []
-    meta_index: dict[int, int] = {}
+    groups = optimizer.param_groups
+    group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+    metas: list[tuple] = []  # the description's distinct groups
+    meta_index: dict[int, int] = {}  # group index -> its index in metas
     meta_plain: dict[int, dict] = {}
+    hyper_id: dict[int, int] = {}  # group index -> its hyperparameters' first-seen index by repr
+    hypers: dict[str, int] = {}  # repr of sorted hyperparameters -> first-seen index
     state: dict[str, dict[str, tuple[EntryLayout, Any]]] = {}
     meta: dict[str, dict[str, Any]] = {}
-    scalars: dict[tuple, list[tuple[str, str, torch.Tensor]]] = defaultdict(list)
+    scalars: dict[tuple, list[tuple[dict, str, torch.Tensor]]] = defaultdict(list)
+    held: list[tuple[str, int]] = []  # (fqn, group index) of the records this rank holds
+    # by id, once: a tensor-keyed lookup per record would call Tensor.__hash__ (Python) each time
+    live_of = {id(p): s for p, s in optimizer.state.items()}
     for rec in records:
         if rec.opt_param is None:
             continue
@@ -120,17 +125,21 @@ def describe_state(optimizer: torch.optim.Optimizer, records: Sequence[ParamReco
         if gi is None:
             errors.append(f"{rec.fqn!r}: its opt_param is not a parameter of the base optimizer")
             continue
-        if gi not in meta_index:
+        plain = meta_plain.get(gi)
+        if plain is None:
             try:
-                plain = group_meta(optimizer.param_groups[gi], f"param_groups[{gi}]")
+                plain = group_meta(groups[gi], f"param_groups[{gi}]")
             except PlainValueError as exc:
                 errors.append(str(exc))
                 plain = {}
             meta_index[gi] = len(metas)
             meta_plain[gi] = plain
-            metas.append(tuple(sorted(plain.items())))
-        meta[rec.fqn] = meta_plain[gi]
-        live = optimizer.state.get(rec.opt_param)
+            sorted_meta = tuple(sorted(plain.items()))
+            metas.append(sorted_meta)
+            hyper_id[gi] = hypers.setdefault(repr(sorted_meta), len(hypers))
+        meta[rec.fqn] = plain
+        held.append((rec.fqn, gi))
+        live = live_of.get(id(rec.opt_param))
         if not live:
             continue
         entries: dict[str, tuple[EntryLayout, Any]] = {}
@@ -140,73 +149,62 @@ def describe_state(optimizer: torch.optim.Optimizer, records: Sequence[ParamReco
             except StateLayoutError as exc:
                 errors.append(str(exc))
                 continue
-            if slot.kind == "s":
-                scalars[(value.device, value.dtype)].append((rec.fqn, key, value))
+            if slot.kind == SCALAR:
+                scalars[(value.device, value.dtype)].append((entries, key, value))
             entries[key] = (slot, value)
         state[rec.fqn] = entries
     # one host transfer per (device, dtype) of scalar state, not one .item() per param
-    for items in scalars.values():
-        values = torch.stack([t.detach() for _, _, t in items]).tolist()
-        for (fqn, key, _), v in zip(items, values, strict=True):
-            slot, value = state[fqn][key]
-            state[fqn][key] = (slot._replace(value=v), value)
+    for batch in scalars.values():
+        with torch.no_grad():
+            values = torch.stack([t for _, _, t in batch]).tolist()
+        for (entries, key, value), v in zip(batch, values, strict=True):
+            entries[key] = (EntryLayout(SCALAR, entries[key][0].dtype, v), value)
     slots: list[tuple] = []
     slot_index: dict[tuple, int] = {}
     fqns: dict[str, tuple[int, int]] = {}
-    for rec in records:
-        if rec.fqn not in meta:
-            continue
+    signature: dict[str, tuple] = {}  # held FQN -> its sorted (key, kind, dtype, value)
+    for fqn, gi in held:
         sid = -1
-        if rec.fqn in state:
-            sig = tuple(
-                sorted((k, s.kind, s.dtype, s.value) for k, (s, _) in state[rec.fqn].items())
-            )
+        sig: tuple = ()
+        own = state.get(fqn)
+        if own is not None:
+            sig = tuple(sorted((k, s.kind, s.dtype, s.value) for k, (s, _) in own.items()))
             sid = slot_index.setdefault(sig, len(slots))
             if sid == len(slots):
                 slots.append(sig)
-        fqns[rec.fqn] = (sid, meta_index[group_of[id(rec.opt_param)]])
+        fqns[fqn] = (sid, meta_index[gi])
+        signature[fqn] = (hyper_id[gi], sig)
     description = {"slots": slots, "metas": metas, "fqns": fqns, "errors": errors}
-    signatures = _signatures(optimizer, records, state, group_of)
-    return LocalState(state, meta, description, signatures)
-
-
-def _signatures(optimizer, records, state, group_of) -> dict[str, Signature]:
-    """Every record's tensor signature: from its live state; ``()`` where the optimizer holds the
-    param without state; derived from the class's defaults where the empty-shard filter dropped
-    it (cached per dtype: a handful of zero-element steps at most)."""
-    derived: dict[torch.dtype, Signature] = {}
-    out: dict[str, Signature] = {}
+    # every record in order: a held FQN's hyperparameters (by first-seen index) and full sorted
+    # state signature, which together say what its table leaf and its tensor keys are; a record
+    # this rank does not hold, the derived keys of its dtype
+    missing = derived if derived is not None else {}
+    derived_of: dict[str, Signature] = {}
+    items: list[tuple] = []
     for rec in records:
-        entries = state.get(rec.fqn)
-        if entries is not None:
-            out[rec.fqn] = tuple(
-                sorted(
-                    (k, s.dtype or "") if s.kind == "t" else (k, f"r:{s.dtype}:{s.value!r}")
-                    for k, (s, _) in entries.items()
-                    if s.kind in ("t", "r")
-                )
-            )
-            continue
-        if rec.opt_param is not None:
-            out[rec.fqn] = ()  # held but never stepped here: no state, as on its other ranks
-            continue
-        # dropped by the empty-shard filter: not in any group here, so the class's defaults
-        if rec.param.dtype not in derived:
-            derived[rec.param.dtype] = derive_signature(
-                optimizer, optimizer.defaults, rec.param.dtype
-            )
-        out[rec.fqn] = derived[rec.param.dtype]
-    return out
+        mine = signature.get(rec.fqn)
+        if mine is not None:
+            items.append((rec.fqn, mine))
+        elif rec.opt_param is None:
+            sig = derived_of[rec.fqn] = missing.get(rec.param.dtype, _UNKNOWN)
+            items.append((rec.fqn, sig))
+        else:
+            items.append((rec.fqn, None))  # not a parameter of the optimizer: an error above
+    digest_items = (repr(items), repr(tuple(hypers)))
+    return LocalState(state, meta, description, derived_of, digest_items)
 
 
-def digest(local: LocalState, table_fingerprint: str) -> list[int]:
-    """Two 62-bit hashes: of every record's (fqn, tensor signature) in order, and of the
-    fingerprint of the ``param_to_group_meta`` table this rank would emit (its whole content:
-    FQNs, order, values). Equal on every rank iff (up to hash collisions) the ranks hold the
-    same FQNs with the same parameter-shaped keys and would emit identical tables; a rank whose
-    optimizer holds fewer params (the empty-shard filter) therefore forces the merge."""
+def digest(local: LocalState) -> list[int]:
+    """Two 62-bit hashes: of every record's (fqn, hyperparameters' first-seen index, sorted
+    ``(key, kind, dtype, value)`` of its state) in order (a record this rank's optimizer does not
+    hold: its derived tensor signature), and of the distinct hyperparameters in first-seen
+    order. Equal on every rank iff (up to hash collisions) the ranks hold the same FQNs with the
+    same keys, dtypes and layouts and would emit identical ``param_to_group_meta`` tables (the
+    same hyperparameters and scalar state per FQN, in the same order, each value's ``repr``
+    alike, as the table interns them); a rank whose optimizer holds fewer params (the
+    empty-shard filter) therefore forces the merge."""
     # repr, not pickle: pickle's memo makes equal values that share objects serialise apart
-    out = agreement.digest(repr(tuple(local.signatures.items())), table_fingerprint)
+    out = agreement.digest(*local.digest_items)
     if local.description["errors"]:
         out[0] = -1  # a rank that could not describe itself forces the detailed path
     return out
@@ -230,10 +228,10 @@ def local_keyspace(local: LocalState) -> Keyspace:
     state: dict[str, tuple[tuple[str, EntryLayout], ...]] = {}
     for fqn, entries in local.state.items():
         state[fqn] = tuple((k, s) for k, (s, _) in sorted(entries.items()))
-    for fqn, sig in local.signatures.items():
-        if fqn not in state and sig:  # held without state here: the derived keys
-            state[fqn] = tuple((k, EntryLayout("t", dt, None)) for k, dt in sig)
-    return Keyspace(state, dict(local.meta))
+    for fqn, sig in local.derived.items():
+        if sig:  # not held here: the derived keys
+            state[fqn] = tuple((k, EntryLayout(PARAM_SHAPED, dt, None)) for k, dt in sig)
+    return Keyspace(state, dict(local.meta), local.state)
 
 
 def merge(descriptions: list[dict]) -> tuple[Keyspace, list[str]]:
@@ -280,4 +278,4 @@ def merge(descriptions: list[dict]) -> tuple[Keyspace, list[str]]:
                     f"{[(k, s.value) for k, s in state[fqn] if s.kind in 'sn']} vs rank {rank}: "
                     f"{[(k, v) for k, kind, _, v in sig if kind in 'sn']} (DCP would keep one)"
                 )
-    return Keyspace(state, meta), errors
+    return Keyspace(state, meta, {}), errors

@@ -19,11 +19,14 @@ from torch.distributed.tensor import DTensor
 
 from .._infra.agreement import agree, by_rank
 from .._infra.params import ParamRecord
-from ._layout import EntryLayout, StateLayoutError, classify, local_shape
+from ._layout import local_shape
 from ._table import as_table, is_table
 from ._values import (
     EXCLUDED_GROUP_KEYS,
+    EntryLayout,
     PlainValueError,
+    StateLayoutError,
+    classify,
     dtype_from_name,
     restore_like,
     to_plain,

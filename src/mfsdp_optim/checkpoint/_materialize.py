@@ -1,27 +1,115 @@
-"""Materialise optimizer state for DCP to load into, without a real step.
+"""Stage 1 of the build: the state a class's first step creates, without a real step.
 
-Map: ``materialize_optimizer_state`` gives every param without state its state by running the
+Map: ``first_step_state`` (the stage's one entry) materialises state when loading and returns,
+per dtype of the params this rank's optimizer does not hold, the tensor signature their first
+step would create (``derive_signature``: one zero-element step of a scratch copy per dtype).
+``materialize_optimizer_state`` gives every param without state its state by running the
 class's own ``step`` once on ``scratch_copy``, a shallow copy stepping zero clones of those
 params (local shards of DTensors, aligned entries in ``_infra.group_lists``), then hands the
 state to the live optimizer with ``step`` reset to 0; the live params and hyperparameters are
 checked unchanged. Where that local step makes non-shard-shaped state or fails (whole-param
 classes such as Adafactor), the class steps a zero tensor of the param's global shape instead.
 Not for LBFGS or SparseAdam: pass ``init_state_fn``. Why not torch's lr=0 step:
-docs/concepts.md, "Inside the checkpoint layer".
+docs/internals.md, "Inside the checkpoint layer". ``scratch_copy`` the shallow copy every
+scratch step here uses.
+
+Imports: the leaves ``_values`` and ``_infra``; no other stage of the build (the walk:
+``_build``'s map).
 """
 
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from .._infra.group_lists import aligned_lists
+from .._infra.params import ParamRecord
 from .._infra.placement import as_stock_value, in_layout_of
-from ._keyspace import scratch_copy
+from ._values import dtype_name
 
-__all__ = ["materialize_optimizer_state"]
+__all__ = [
+    "Signature",
+    "derive_signature",
+    "first_step_state",
+    "materialize_optimizer_state",
+    "scratch_copy",
+]
+
+Signature = tuple[tuple[str, str], ...]  # sorted (state key, dtype name) of tensor state
+
+
+def first_step_state(
+    optimizer: torch.optim.Optimizer,
+    records: Sequence[ParamRecord],
+    *,
+    is_loading: bool,
+    init_state_fn: Callable[[torch.optim.Optimizer], None] | None,
+) -> dict[torch.dtype, Signature]:
+    """Stage 1 of ``build_sharded_state_dict``. With ``is_loading``, give every param of
+    ``optimizer`` without state the state its first step would create (``init_state_fn``'s
+    instead when given); then, per dtype of the ``records`` this rank's optimizer does not hold
+    (the empty-shard filter dropped them), the signature ``derive_signature`` learns from the
+    class's defaults (a handful of zero-element steps at most). Purely local: no collective."""
+    if is_loading:
+        if init_state_fn is not None:
+            init_state_fn(optimizer)
+        else:
+            materialize_optimizer_state(optimizer)
+    derived: dict[torch.dtype, Signature] = {}
+    for rec in records:
+        if rec.opt_param is None and rec.param.dtype not in derived:
+            derived[rec.param.dtype] = derive_signature(
+                optimizer, optimizer.defaults, rec.param.dtype
+            )
+    return derived
+
+
+def scratch_copy(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A shallow copy of ``optimizer`` with its own empty state and no step hooks, for stepping
+    other params with the class's own ``step``. Every attribute is shared (``copy.copy`` would
+    keep only what ``Optimizer.__getstate__`` names: defaults, state, param_groups, and so drop
+    e.g. apex FusedAdam's ``capturable`` and ``param_groups_master``); the caller sets
+    ``param_groups`` (and any list kept beside them) before stepping it."""
+    scratch = object.__new__(type(optimizer))
+    scratch.__dict__.update(optimizer.__dict__)
+    scratch.state = defaultdict(dict)
+    scratch._optimizer_step_pre_hooks = OrderedDict()
+    scratch._optimizer_step_post_hooks = OrderedDict()
+    return scratch
+
+
+def derive_signature(
+    optimizer: torch.optim.Optimizer,
+    group: dict,
+    dtype: torch.dtype,
+) -> Signature:
+    """The parameter-shaped state keys and dtypes that ``type(optimizer)``'s first step creates
+    for a param of ``dtype`` in a group with ``group``'s hyperparameters, learned by stepping a
+    scratch copy on ONE zero-element param (nothing of ``optimizer`` is touched). Keys whose first
+    step creates none (SGD without momentum) give ``()``; an optimizer that cannot be stepped this
+    way (a closure, sparse grads) gives ``(("?", "?"),)``, which never matches a real signature, so
+    the agreement falls back to learning the keys from the ranks that hold them."""
+    scratch = scratch_copy(optimizer)
+    p = torch.zeros(0, dtype=dtype)
+    p.grad = torch.zeros_like(p)
+    scratch.param_groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [p]}]
+    try:
+        with torch.no_grad():
+            type(optimizer).step(scratch)
+    except Exception:  # noqa: BLE001 - any failure just means "learn it from the owners"
+        return (("?", "?"),)
+    new = scratch.state.get(p) or {}
+    return tuple(
+        sorted(
+            (k, dtype_name(v.dtype))
+            for k, v in new.items()
+            if isinstance(v, torch.Tensor) and v.shape == p.shape
+        )
+    )
 
 
 def _snapshot(optimizer: torch.optim.Optimizer) -> list[dict]:

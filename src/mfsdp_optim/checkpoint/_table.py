@@ -1,5 +1,10 @@
 """``param_to_group_meta`` of format 3: ONE read-only table, so ONE DCP item for every param.
 
+Stage 3 of the build: ``GroupMetaTable.from_keyspace`` (the stage's one entry) builds the table
+from the agreed ``Keyspace``, calling nothing of the other stages. Imports: the slot kinds from
+the leaf ``_values``; ``_keyspace``'s ``Keyspace`` for types only. The loaders, ``_interop``,
+``_prune`` and ``_inspect`` read tables too. The walk: ``_build``'s map.
+
 Map: ``GroupMetaTable`` (``table[fqn]`` a read-only ``GroupMeta`` mapping of hyperparameters and
 scalar state; ``leaf``/``leaves`` the stored ``(hyperparameters, scalars)`` tuples; each distinct
 tuple held once); ``TAG``/``VERSION`` its on-disk tagged tuple of builtins; ``is_table`` /
@@ -13,7 +18,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from ._values import PLAIN, SCALAR
+
+if TYPE_CHECKING:
+    from ._keyspace import Keyspace
 
 __all__ = [
     "TAG",
@@ -104,6 +114,27 @@ class GroupMetaTable:
             keep += (hyper, scalar)
             index[fqn] = (_intern(hyper, hypers, seen_h), _intern(scalar, scalars, seen_s))
         return cls(tuple(hypers), tuple(scalars), index)
+
+    @classmethod
+    def from_keyspace(cls, keyspace: Keyspace) -> GroupMetaTable:
+        """Stage 3 of ``build_sharded_state_dict``: one ``(hyperparameters, scalars)`` leaf per
+        FQN of ``keyspace.meta`` (the params this rank's optimizer holds when the digests agree,
+        every rank's after a merge), in its order, which is the same on every rank either way;
+        its scalars are the FQN's ``SCALAR`` and ``PLAIN`` slots in key order."""
+        sorted_of: dict[int, tuple] = {}  # a param group's hyperparameter dict is shared: sort once
+        slots_of = keyspace.state
+        leaves = []
+        for fqn, hyper in keyspace.meta.items():
+            h = sorted_of.get(id(hyper))
+            if h is None:
+                h = sorted_of[id(hyper)] = tuple(sorted(hyper.items()))
+            scalars = tuple(
+                (k, s.value, s.dtype if s.kind == SCALAR else None)
+                for k, s in slots_of.get(fqn, ())
+                if s.kind == SCALAR or s.kind == PLAIN
+            )
+            leaves.append((fqn, (h, scalars)))
+        return cls.from_leaves(leaves)
 
     # -- the per-FQN read-only mappings -------------------------------------------------------
 

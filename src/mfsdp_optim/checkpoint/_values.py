@@ -1,4 +1,16 @@
-"""Plain values: hyperparameters and scalar state as checkpoint-safe Python data.
+"""State values: how each one is stored, and plain values as checkpoint-safe Python data.
+
+A leaf of the checkpoint layer: it imports nothing else of the package, and the build's stages
+(``_build``'s map) and the load call it freely.
+
+Map: ``classify`` one optimizer state value of one param as an ``EntryLayout`` of kind
+``PARAM_SHAPED`` (``"t"``: a DTensor in the param's layout, or a local-shard-shaped tensor that
+the build wraps into one, no copy), ``SCALAR`` (``"s"``: a 0-d plain tensor such as Adam's
+``step``), ``OWN_LAYOUT`` (``"r"``: a DTensor of its own global shape and placements on the
+param's mesh, e.g. Adafactor's factors: saved as it is, its value ``(shape, placements)``) or
+``PLAIN`` (``"n"``: a plain Python value); anything else raises ``StateLayoutError`` naming the
+param and key. The kinds, and why others are refused: docs/internals.md, "Inside the checkpoint
+layer".
 
 A checkpoint of this package carries no pickled code of ours. Hyperparameters are stored as
 ``bool``, ``int``, ``float``, ``str``, ``None`` or tuples of those; a tensor hyperparameter (a
@@ -8,19 +20,50 @@ back into a tensor of the live dtype and device on load.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__ = [
     "EXCLUDED_GROUP_KEYS",
+    "OWN_LAYOUT",
+    "PARAM_SHAPED",
+    "PLAIN",
+    "SCALAR",
+    "EntryLayout",
     "PlainValueError",
+    "StateLayoutError",
+    "classify",
     "dtype_from_name",
     "dtype_name",
     "group_meta",
+    "own_layout",
     "restore_like",
     "to_plain",
 ]
+
+# the kinds of EntryLayout (one letter: they travel in every rank's keyspace description)
+PARAM_SHAPED = "t"  # a DTensor in the param's layout (or a local-shard-shaped tensor)
+SCALAR = "s"  # a 0-d plain tensor, such as Adam's step
+OWN_LAYOUT = "r"  # a DTensor of its own global shape on the param's mesh (Adafactor's factors)
+PLAIN = "n"  # a plain Python value
+
+
+class StateLayoutError(ValueError):
+    """A state value whose layout cannot be derived from its parameter's."""
+
+
+class EntryLayout(NamedTuple):
+    """How one state entry (one key of one parameter's optimizer state) is laid out in the
+    checkpoint, as a rank knows it: its kind (``PARAM_SHAPED``, ``SCALAR``, ``OWN_LAYOUT`` or
+    ``PLAIN``), dtype name, and value (a scalar's, a plain value, or an own layout's ``(shape,
+    placements)``). Not ``optim._slots.Slot``, the wrapper's per-param cache."""
+
+    kind: str
+    dtype: str | None
+    value: Any
+
 
 # per-param keys of a torch param group: not hyperparameters
 EXCLUDED_GROUP_KEYS = frozenset({"params", "param_names"})
@@ -74,8 +117,66 @@ def group_meta(group: dict, where: str) -> dict[str, Any]:
     }
 
 
+# one PARAM_SHAPED layout per dtype: classify() returns it for most entries. Not the SCALAR ones:
+# their dtype name goes into the table, whose pickle must stay byte for byte what it was (a
+# fresh string per scalar; a shared one would be pickled once and referenced after)
+_PARAM_SHAPED: dict[torch.dtype, EntryLayout] = {}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _param_shaped(dtype: torch.dtype) -> EntryLayout:
+    layout = _PARAM_SHAPED.get(dtype)
+    if layout is None:
+        layout = _PARAM_SHAPED[dtype] = EntryLayout(PARAM_SHAPED, dtype_name(dtype), None)
+    return layout
+
+
+def own_layout(value: DTensor) -> tuple[tuple[int, ...], tuple]:
+    """The value of an ``OWN_LAYOUT`` entry's layout: its global shape and placements."""
+    return tuple(value.shape), tuple(value.placements)
+
+
+def classify(fqn: str, key: str, value: Any, param: DTensor) -> EntryLayout:
+    """How ``value``, the state ``key`` of the param ``fqn`` (the model's DTensor ``param``), is
+    laid out; the value of a ``SCALAR`` layout is filled in later, batched.
+
+    Raises:
+        StateLayoutError: ``value`` is neither parameter-shaped (its global shape or its local
+            shard's), nor 0-d, nor a DTensor on the param's mesh without ``Partial``, nor plain.
+    """
+    if isinstance(value, DTensor):
+        if value.shape == param.shape:
+            return _param_shaped(value.dtype)
+        where = f"state {fqn!r}[{key!r}] (a DTensor of global shape {tuple(value.shape)})"
+        if value.device_mesh != param.device_mesh:
+            raise StateLayoutError(
+                f"{where} lives on {value.device_mesh}, its parameter on {param.device_mesh}: "
+                "state not shaped like its parameter must live on the parameter's mesh"
+            )
+        if any(p.is_partial() for p in value.placements):
+            raise StateLayoutError(
+                f"{where} has a Partial placement {tuple(value.placements)}: reduce it before "
+                "saving (its local values are pending addends, not pieces of the state)"
+            )
+        return EntryLayout(OWN_LAYOUT, dtype_name(value.dtype), own_layout(value))
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 and (param.dim() > 0 or key == "step"):
+            return EntryLayout(SCALAR, dtype_name(value.dtype), None)
+        if value.shape == param._local_tensor.shape:
+            return _param_shaped(value.dtype)
+        raise StateLayoutError(
+            f"state {fqn!r}[{key!r}] is a plain tensor of shape {tuple(value.shape)}, neither the "
+            f"local shard's shape {tuple(param._local_tensor.shape)} nor a 0-d scalar: its layout "
+            "across ranks is unknown, so it cannot be checkpointed as a resharding DTensor"
+        )
+    if isinstance(value, _SCALARS):
+        return EntryLayout(PLAIN, None, value)
+    raise StateLayoutError(
+        f"state {fqn!r}[{key!r}] is a {type(value).__name__}; expected a tensor or a plain value"
+    )
 
 
 def dtype_from_name(name: str) -> torch.dtype:
