@@ -4,6 +4,7 @@ Map: ``placement`` facts read from DTensor specs; ``comm`` collective plumbing a
 ``agreement`` the one "validate, agree, then act" protocol; ``params`` how params are named and
 described; ``caches`` every module-level cache, dropped by one ``clear_all()``; ``group_lists``
 lists kept beside param groups; ``device_table`` and ``kernels`` the Triton kernels' argument
-tables and shared device helpers; ``grouping`` tensors by ``(device, dtype)``. Layers it may
+tables and shared device helpers; ``grouping`` tensors by ``(device, dtype)``; ``host`` the
+collector paused around per-item Python loops. Layers it may
 import: none.
 """

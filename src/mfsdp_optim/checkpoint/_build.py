@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from .._infra.host import paused_gc
 from .._infra.params import ParamRecord
 from ._keyspace import agreed_keyspace
 from ._layout import state_dtensors
@@ -89,14 +90,15 @@ def build_sharded_state_dict(
             (non-parameter-shaped tensors, non-plain hyperparameters) or ranks disagree on a
             param's keys, dtypes or hyperparameters (a ``ValueError``).
     """
-    derived = first_step_state(
-        optimizer, records, is_loading=is_loading, init_state_fn=init_state_fn
-    )
-    keyspace, errors = agreed_keyspace(optimizer, records, derived, group)
-    if errors:
-        raise KeyspaceError(
-            "cannot build a rank-consistent optimizer state dict:" + _format(errors)
+    with paused_gc():  # tens of thousands of small containers: _infra.host says why
+        derived = first_step_state(
+            optimizer, records, is_loading=is_loading, init_state_fn=init_state_fn
         )
-    table = GroupMetaTable.from_keyspace(keyspace)
-    state = state_dtensors(records, keyspace, is_loading=is_loading)
-    return OptimizerStateDict(state=state, param_to_group_meta=table)
+        keyspace, errors = agreed_keyspace(optimizer, records, derived, group)
+        if errors:
+            raise KeyspaceError(
+                "cannot build a rank-consistent optimizer state dict:" + _format(errors)
+            )
+        table = GroupMetaTable.from_keyspace(keyspace)
+        state = state_dtensors(records, keyspace, is_loading=is_loading)
+        return OptimizerStateDict(state=state, param_to_group_meta=table)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .._infra.agreement import agree, by_rank
+from .._infra.host import paused_gc
 from .._infra.params import ParamRecord
 from ._layout import local_shape
 from ._table import as_table, is_table
@@ -343,6 +344,7 @@ def _apply(optimizer, records: Sequence[ParamRecord], sd: dict) -> None:
         optimizer.state[rec.opt_param] = entry
 
 
+@paused_gc()
 def load_sharded_state_dict(
     optimizer: torch.optim.Optimizer,
     records: Sequence[ParamRecord],

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 
 from .._infra.agreement import Failure, Verdict, failure_of
+from .._infra.host import paused_gc
 from . import _async
 from ._consensus import (
     RankDisagreementError,
@@ -75,6 +76,7 @@ __all__ = [
 ]
 
 
+@paused_gc()
 def save_checkpoint(
     state_dict: Mapping[str, Any],
     directory: str | os.PathLike,

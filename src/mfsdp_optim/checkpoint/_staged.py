@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .._infra.agreement import Failure, failure_of
+from .._infra.host import paused_gc
 from . import _async
 from ._consensus import (
     agree_on_directory,
@@ -214,6 +215,7 @@ def swap_in(live: Any, staged: Any) -> None:
             live[key] = new
 
 
+@paused_gc()
 def load_checkpoint(
     state_dict: Mapping[str, Any],
     directory: str | os.PathLike,
