@@ -706,3 +706,46 @@ def test_stage_reuses_a_dtensor_only_for_the_same_view_and_spec(ranks):
     shapes gets a DTensor of its own."""
     for rank, out in enumerate(ranks(2).run(_staged_dtensors)):
         assert all(out.values()), (rank, out)
+
+
+def _rank_staging_fails(root):
+    from mfsdp_optim.checkpoint import _async
+
+    good, bad = os.path.join(root, "good"), os.path.join(root, "bad")
+    m = _trained()
+    want = global_state(_state(m)["optimizer"]), global_params(m)
+    save_checkpoint(_state(m), good)
+    real = _async.stage
+
+    def stage(sd):
+        if dist.get_rank() == 1:
+            raise RuntimeError("injected: rank 1 cannot allocate its host copy")
+        return real(sd)
+
+    _async.stage = stage
+    try:
+        out = {"call": _timed(lambda: save_checkpoint(_state(m), bad, asynchronous=True))}
+    finally:
+        _async.stage = real
+    dist.barrier()
+    out["listing"] = sorted(os.listdir(root))
+    out["previous"] = same(_load_fresh(good), want)
+    out["next"] = _timed(
+        lambda: save_checkpoint(_state(m), bad, asynchronous=True).wait(timeout=60)
+    )
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_staging_failure_on_one_live_rank_is_raised_by_the_call_on_every_rank(ranks, tmp_path):
+    """The copy, then the one all-reduce before the call returns: a rank that cannot stage (kept
+    alive) makes the call raise on every rank within seconds, nothing is left on disk, the
+    previous checkpoint is untouched and the next save goes through."""
+    for rank, res in enumerate(ranks(2).run(_rank_staging_fails, str(tmp_path), timeout=110)):
+        name, msg, elapsed = res["call"]
+        assert name == "RuntimeError" and elapsed < FAST_S, (rank, res["call"])
+        assert "cannot save the checkpoint" in msg and "rank 1" in msg, (rank, msg)
+        assert "cannot allocate its host copy" in msg, (rank, msg)
+        assert res["listing"] == ["good"], (rank, res["listing"])
+        assert res["previous"], rank
+        assert res["next"] is None, (rank, res["next"])
