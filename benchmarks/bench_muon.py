@@ -69,28 +69,35 @@ def ns_flops(shape: tuple[int, ...], steps: int = 5) -> int:
     return steps * (4 * r * r * c + 2 * r * r * r)
 
 
+def hsdp_metas(world: int, replicas: int, layers: int, shapes, dtype: str) -> list:
+    """The plan's view of ``layers`` layers of ``shapes`` under HSDP: ``replicas`` replica groups
+    (Replicate on mesh dim 0) of ``world // replicas`` shards (Shard(0) on dim 1)."""
+    from mfsdp_optim.optim._whole import ParamMeta
+
+    return [
+        ParamMeta(
+            f"layers.{i}.{j}",
+            tuple(range(world)),
+            (replicas, world // replicas),
+            (("R",), ("S", 0)),
+            shape,
+            dtype,
+        )
+        for i in range(layers)
+        for j, shape in enumerate(shapes)
+    ]
+
+
 def plan_table(layers: int = 16) -> list[dict]:
     """Per (world, replicas): the busiest rank's Newton-Schulz flops against total / world, and
     the largest bytes any rank sends or receives against twice its local shard bytes, owners
     spanning the replicas (``now``) and one owner per replica group (``before``)."""
-    from mfsdp_optim.optim._whole import ParamMeta, muon_splits, plan_units
+    from mfsdp_optim.optim._whole import muon_splits, plan_units
 
     rows = []
     for world in (8, 64, 512):
         for replicas in (1, 2, 4):
-            shards = world // replicas
-            metas = [
-                ParamMeta(
-                    f"layers.{i}.{j}",
-                    tuple(range(world)),
-                    (replicas, shards),
-                    (("R",), ("S", 0)),
-                    shape,
-                    "torch.bfloat16",
-                )
-                for i in range(layers)
-                for j, shape in enumerate(SHAPES)
-            ]
+            metas = hsdp_metas(world, replicas, layers, SHAPES, "torch.bfloat16")
             once = sum(ns_flops(m.shape) for m in metas)  # the work, done once
             row: dict = {"world": world, "replicas": replicas, "total_gflop": once / 1e9}
             for name, span in (("before", False), ("now", True)):
@@ -143,23 +150,14 @@ def generic_plan_table(layers: int = 16) -> list[dict]:
     against one owner per replica group (``before``)."""
     import math
 
-    from mfsdp_optim.optim._whole import ParamMeta, generic_traffic, plan_units
+    from mfsdp_optim.optim._whole import generic_traffic, plan_units
 
     rows = []
     for world in (8, 64, 512):
         for replicas in (1, 2, 4):
-            metas = [
-                ParamMeta(
-                    f"layers.{i}.{j}",
-                    tuple(range(world)),
-                    (replicas, world // replicas),
-                    (("R",), ("S", 0)),
-                    shape,
-                    "torch.float32",
-                )
-                for i in range(layers)
-                for j, shape in enumerate([*SHAPES, (2048,), (2048,)])
-            ]
+            metas = hsdp_metas(
+                world, replicas, layers, [*SHAPES, (2048,), (2048,)], "torch.float32"
+            )
             total = sum(math.prod(m.shape) for m in metas)
             row: dict = {"world": world, "replicas": replicas}
             for name, span in (("before", False), ("now", None)):

@@ -1,7 +1,8 @@
 """The small FSDP2 model the wrapper tests share (optim/ and checkpoint/ test modules).
 
 ``_model`` builds an uneven MLP from an explicit seed, ``_batch`` a deterministic input per step,
-``_shard`` applies ``fully_shard`` per Linear and then to the root.
+``_shard`` applies ``fully_shard`` per Linear and then to the root; ``llama_hsdp_metas`` the
+whole-param planner's view of the Llama-like 1B set under HSDP.
 """
 
 from __future__ import annotations
@@ -33,3 +34,28 @@ def _shard(model: torch.nn.Module, mesh) -> None:
         if isinstance(m, torch.nn.Linear):
             fully_shard(m, mesh=mesh)
     fully_shard(model, mesh=mesh)
+
+
+LLAMA_MATRICES = [(2048, 2048), (512, 2048), (512, 2048), (2048, 2048)]
+LLAMA_MATRICES += [(5632, 2048), (5632, 2048), (2048, 5632)]
+
+
+def llama_hsdp_metas(world, replicas, layers=16, *, dtype="torch.bfloat16", norms=False):
+    """The planner's metas of ``layers`` layers of the Llama-like 1B set (its matrices, and
+    with ``norms`` its two 2048-long norm weights) under HSDP: ``replicas`` replica groups
+    (Replicate on mesh dim 0) of ``world // replicas`` shards (Shard(0) on dim 1)."""
+    from mfsdp_optim.optim._whole import ParamMeta
+
+    shapes = LLAMA_MATRICES + ([(2048,), (2048,)] if norms else [])
+    return [
+        ParamMeta(
+            f"layers.{i}.{j}",
+            tuple(range(world)),
+            (replicas, world // replicas),
+            (("R",), ("S", 0)),
+            shape,
+            dtype,
+        )
+        for i in range(layers)
+        for j, shape in enumerate(shapes)
+    ]

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _layouts import GradSpec, PlacementSpec, build_grad, global_tensor, stripe_of
+from _models import llama_hsdp_metas
 
 S0, S1, R = PlacementSpec("S", 0), PlacementSpec("S", 1), PlacementSpec("R")
 
@@ -229,22 +230,7 @@ def test_each_matrix_has_one_owner_over_all_replicas(ranks):
 
 
 def _llama_hsdp_metas(world, replicas, layers=16):
-    from mfsdp_optim.optim._whole import ParamMeta
-
-    shapes = [(2048, 2048), (512, 2048), (512, 2048), (2048, 2048)]
-    shapes += [(5632, 2048), (5632, 2048), (2048, 5632)]
-    return [
-        ParamMeta(
-            f"layers.{i}.{j}",
-            tuple(range(world)),
-            (replicas, world // replicas),
-            (("R",), ("S", 0)),
-            shape,
-            "torch.bfloat16",
-        )
-        for i in range(layers)
-        for j, shape in enumerate(shapes)
-    ]
+    return llama_hsdp_metas(world, replicas, layers)
 
 
 @pytest.mark.parametrize("world", [8, 64])

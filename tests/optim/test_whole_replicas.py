@@ -26,13 +26,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _layouts import PlacementSpec, grad_specs, stripe_of, valid_strided  # noqa: E402
+from _models import llama_hsdp_metas
 from _ranks import get_pool  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from test_whole_param import OPTIMIZERS, _full, _grad_spec, _param_spec, _spec  # noqa: E402
 
 from mfsdp_optim.optim._whole import (  # noqa: E402
-    ParamMeta,
     generic_splits,
     generic_traffic,
     plan_units,
@@ -279,20 +279,7 @@ def test_hypothesis_hsdp_layouts_over_the_replicas(case):
 
 
 def _llama_hsdp_metas(world, replicas, layers=16):
-    shapes = [(2048, 2048), (512, 2048), (512, 2048), (2048, 2048)]
-    shapes += [(5632, 2048), (5632, 2048), (2048, 5632), (2048,), (2048,)]
-    return [
-        ParamMeta(
-            f"layers.{i}.{j}",
-            tuple(range(world)),
-            (replicas, world // replicas),
-            (("R",), ("S", 0)),
-            shape,
-            "torch.float32",
-        )
-        for i in range(layers)
-        for j, shape in enumerate(shapes)
-    ]
+    return llama_hsdp_metas(world, replicas, layers, dtype="torch.float32", norms=True)
 
 
 def _adafactor_bytes(meta):
