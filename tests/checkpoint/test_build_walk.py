@@ -19,6 +19,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from _collectives import GATHER, counted
 
 from mfsdp_optim.checkpoint import build_sharded_state_dict
 
@@ -28,15 +29,6 @@ PACKAGE = "mfsdp_optim."
 ORCHESTRATOR = "mfsdp_optim.checkpoint._build"
 STAGES = tuple(
     f"mfsdp_optim.checkpoint.{m}" for m in ("_materialize", "_keyspace", "_table", "_layout")
-)
-_COUNTED = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_object",
-    "all_gather_into_tensor",
-    "all_gather_single",  # torch 2.13's name of all_gather_into_tensor
-    "broadcast",
-    "broadcast_object_list",
 )
 
 
@@ -113,32 +105,6 @@ def walk_problems(seq: list[str]) -> list[str]:
     return problems
 
 
-class _Counter:
-    """Counts the torch.distributed collectives issued (the real ones run)."""
-
-    def __init__(self):
-        self.calls: dict[str, int] = {}
-        self._saved: dict = {}
-
-    def __enter__(self):
-        for name in _COUNTED:
-            fn = getattr(dist, name, None)
-            if fn is None:
-                continue
-            self._saved[name] = fn
-
-            def counted(*a, __fn=fn, __name=name, **k):
-                self.calls[__name] = self.calls.get(__name, 0) + 1
-                return __fn(*a, **k)
-
-            setattr(dist, name, counted)
-        return self
-
-    def __exit__(self, *exc):
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-
-
 def _setup(rows_tiny: int, stepped: bool):
     """Three params on a 1-d mesh over every rank: two (8, 4) in two param groups, one of the
     optimizer's own DTensors and one local-shard alias, and ``tiny`` of ``rows_tiny`` rows,
@@ -177,9 +143,9 @@ def _setup(rows_tiny: int, stepped: bool):
 
 def _walk(rows_tiny: int, is_loading: bool, stepped: bool):
     opt, records = _setup(rows_tiny, stepped)
-    with _Counter() as c:
+    with counted() as calls:
         sd, seq = trace(lambda: build_sharded_state_dict(opt, records, is_loading=is_loading))
-    return seq, c.calls, sorted(sd["state"]), list(sd["param_to_group_meta"])
+    return seq, dict(calls), sorted(sd["state"]), list(sd["param_to_group_meta"])
 
 
 @pytest.mark.parametrize(("is_loading", "stepped"), [(False, True), (True, True), (True, False)])
@@ -200,11 +166,7 @@ def test_build_walks_each_stage_once_in_order_on_two_ranks(ranks, is_loading, ro
         assert problems == [], f"rank {rank}:\n" + "\n".join(problems)
         # ONE all-reduce of the digest; only when the digests differ (a merge), the object
         # gather: two all-gathers (sizes, payload)
-        # (torch 2.13 named it all_gather_single; 2.11 and 2.12 all_gather_into_tensor)
-        gather = (
-            "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-        )
-        want = {"all_reduce": 1, gather: 2} if merged else {"all_reduce": 1}
+        want = {"all_reduce": 1, GATHER: 2} if merged else {"all_reduce": 1}
         assert calls == want, (rank, calls)
         assert state == ["a", "b", "tiny"] and table == ["a", "b", "tiny"], (rank, state, table)
 

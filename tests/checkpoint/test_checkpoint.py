@@ -18,6 +18,7 @@ from _checkpoint_helpers import (
     same,
     snapshot,
 )
+from _collectives import GATHER, counted
 
 from mfsdp_optim.checkpoint import (
     StateDictMismatchError,
@@ -151,52 +152,6 @@ def test_partial_state_loads(ranks, tmp_path):
 # ------------------------------------------------------------------------------------------
 # keyspace: identical on every rank, learned with one collective
 
-_COLLECTIVES = [
-    "all_gather_object",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_single",
-    "all_reduce",
-    "broadcast",
-    "broadcast_object_list",
-    "gather",
-    "gather_object",
-    "scatter",
-    "scatter_object_list",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "send",
-    "recv",
-    "isend",
-    "irecv",
-]
-
-
-class _Counter:
-    def __init__(self):
-        self.calls: dict[str, int] = {}
-        self._saved = {}
-
-    def __enter__(self):
-        for name in _COLLECTIVES:
-            fn = getattr(dist, name)
-            self._saved[name] = fn
-
-            def wrapped(*a, __fn=fn, __name=name, **k):
-                self.calls[__name] = self.calls.get(__name, 0) + 1
-                return __fn(*a, **k)
-
-            setattr(dist, name, wrapped)
-        return self
-
-    def __exit__(self, *exc):
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-
 
 def _keyspace(alias, filter_empty=True):
     from torch.distributed.tensor.debug import CommDebugMode
@@ -204,10 +159,10 @@ def _keyspace(alias, filter_empty=True):
     m = Model("fsdp", "adamw_amsgrad", alias=alias, filter_empty=filter_empty)
     for t in range(STEPS):
         m.step(t)
-    with _Counter() as c, CommDebugMode() as comm:
+    with counted() as calls, CommDebugMode() as comm:
         sd = build_sharded_state_dict(m.optimizer, m.records)
     build_calls, build_functional = (
-        dict(c.calls),
+        dict(calls),
         {str(k): v for k, v in comm.get_comm_counts().items()},
     )
     keys = {
@@ -224,14 +179,14 @@ def _keyspace(alias, filter_empty=True):
         if fqn in filtered
     }
     target = build_sharded_state_dict(m.optimizer, m.records, is_loading=True)
-    with _Counter() as c:
+    with counted() as calls:
         load_sharded_state_dict(m.optimizer, m.records, target)
     return (
         keys,
         sd["param_to_group_meta"],
         build_calls,
         build_functional,
-        dict(c.calls),
+        dict(calls),
         filtered,
         empty_locals,
     )
@@ -265,7 +220,7 @@ def test_keyspace_identical_and_one_collective(ranks, alias, filter_empty):
         # (sizes + payload) follows; no DTensor redistribution, no per-tensor traffic; the
         # load's validity check is one all-reduce
         if filter_empty:
-            assert build_calls == {"all_reduce": 1, "all_gather_single": 2}, build_calls
+            assert build_calls == {"all_reduce": 1, GATHER: 2}, build_calls
             assert sum(functional.values()) == 3, functional
         else:
             assert build_calls == {"all_reduce": 1}, build_calls
@@ -303,17 +258,17 @@ def _keyspace_fallback(case):
                 extra,
             )
         )
-    with _Counter() as c:
+    with counted() as calls:
         sd = build_sharded_state_dict(m.optimizer, records)
     keys = {fqn: sorted(e) for fqn, e in sd["state"].items()}
-    return keys, list(sd["param_to_group_meta"]), dict(c.calls)
+    return keys, list(sd["param_to_group_meta"]), dict(calls)
 
 
 def test_keyspace_falls_back_to_detail_on_mismatch(ranks):
     out = ranks(4).run(_keyspace_fallback, "stepped")
     for rank, (keys, meta, calls) in enumerate(out):
         # one all-reduce said "differ", then the detailed gather (sizes + payload)
-        assert calls == {"all_reduce": 1, "all_gather_single": 2}, calls
+        assert calls == {"all_reduce": 1, GATHER: 2}, calls
         assert ("rank1.extra" in keys) == (rank == 1), (rank, sorted(keys))
         assert keys["layers.0.weight"] == ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
         # format 3: every rank's table covers the merged keyspace, in the same order
@@ -322,7 +277,7 @@ def test_keyspace_falls_back_to_detail_on_mismatch(ranks):
     for rank, (keys, meta, calls) in enumerate(out):
         # nobody stepped: the filtered ranks' derived keys disagree with the owners' (none),
         # and the owners' word wins: no state anywhere
-        assert calls == {"all_reduce": 1, "all_gather_single": 2}, calls
+        assert calls == {"all_reduce": 1, GATHER: 2}, calls
         assert keys == {}, (rank, keys)
         assert sorted(meta) == sorted(n for n, _ in PARAMS), (rank, meta)  # merged: all five
 

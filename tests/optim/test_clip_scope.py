@@ -18,45 +18,12 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from _collectives import counted
 from _layouts import GradSpec, PlacementSpec, build_grad, grad_specs, reference_stats
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 MAX_NORMS = (1e-3, 0.5, 1e6)  # clips everything, clips some, clips nothing
-_COLLECTIVES = (
-    "all_reduce",
-    "all_gather_into_tensor",
-    "all_gather_single",
-    "all_gather",
-    "all_gather_object",
-    "broadcast",
-    "reduce_scatter_tensor",
-    "barrier",
-    "reduce",
-    "all_to_all_single",
-)
-
-
-class _Counted:
-    """Count calls to torch.distributed's collectives while the real ones run."""
-
-    def __enter__(self):
-        self.counts: dict[str, int] = {}
-        self.saved = {name: getattr(dist, name) for name in _COLLECTIVES}
-        for name, fn in self.saved.items():
-            setattr(dist, name, self._wrap(name, fn))
-        return self.counts
-
-    def _wrap(self, name, fn):
-        def counted(*args, **kwargs):
-            self.counts[name] = self.counts.get(name, 0) + 1
-            return fn(*args, **kwargs)
-
-        return counted
-
-    def __exit__(self, *exc):
-        for name, fn in self.saved.items():
-            setattr(dist, name, fn)
 
 
 def _coef(max_norm: float, norm: float) -> float:
@@ -89,7 +56,7 @@ def _build(specs, owners, k, scope, max_norm, norm_type, host_sync=True):
 
 def _rank_scope(specs, owners, k, scope, max_norm, norm_type):
     wrapper, params, grads = _build(specs, owners, k, scope, max_norm, norm_type)
-    with _Counted() as counts:
+    with counted() as counts:
         ok, norm, _ = wrapper.step()
     # each param after one SGD step with lr=1 from zero: -(its clip coefficient) * grad
     got = []
@@ -196,7 +163,7 @@ def _rank_count(k, scope, host_sync, scaler, steps):
             p.grad = build_grad(
                 GradSpec(s.shape, s.mesh_shape, s.used_dims, s.placements, seed=step)
             )
-        with _Counted() as counts:
+        with counted() as counts:
             out = wrapper.step()
             norms = wrapper.grad_norms
             if not host_sync:  # reading the device values is the caller's business

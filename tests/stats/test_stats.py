@@ -9,11 +9,11 @@ against ``full_tensor()``, and reduced by this package; every rank must return t
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.distributed as dist
+from _collectives import counted
 from _layouts import (
     DTYPES,
     GradSpec,
@@ -31,40 +31,6 @@ import mfsdp_optim
 from mfsdp_optim import clip_grads_with_norm_, count_replication, count_zeros, get_grad_norm
 
 NORM_TYPES = [0.5, 1.0, 2.0, 3.0, math.inf]
-_COLLECTIVES = (
-    "all_reduce",
-    "all_gather_into_tensor",
-    "all_gather_single",
-    "all_gather",
-    "all_gather_object",
-    "broadcast",
-    "reduce_scatter_tensor",
-    "barrier",
-    "reduce",
-    "all_to_all_single",
-)
-
-
-@contextmanager
-def count_collectives():
-    """Count calls to torch.distributed's collectives (the real ones still run)."""
-    counts: dict[str, int] = {}
-    saved = {name: getattr(dist, name) for name in _COLLECTIVES}
-
-    def wrap(name, fn):
-        def counted(*args, **kwargs):
-            counts[name] = counts.get(name, 0) + 1
-            return fn(*args, **kwargs)
-
-        return counted
-
-    for name, fn in saved.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
-        yield counts
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
 
 
 def _as_py(stats):
@@ -78,7 +44,7 @@ def _as_py(stats):
 
 def _rank_stats(specs, norm_type, want_zeros):
     grads = [build_grad(s) for s in specs]
-    with count_collectives() as counts:
+    with counted() as counts:
         stats = mfsdp_optim.grad_stats(grads, norm_type=norm_type, count_zeros=want_zeros)
     return _as_py(stats), counts
 
@@ -107,7 +73,7 @@ def _rank_clip(specs, max_norm):
     for p, g in zip(params, grads, strict=True):
         p.grad = g
     frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)  # no grad: skipped
-    with count_collectives() as counts:
+    with counted() as counts:
         clip_grads_with_norm_([*params, frozen], max_norm, norm)
     assert not counts, counts
     assert all(bool((p._local_tensor == 3.0).all()) for p in params), "a weight was scaled"
