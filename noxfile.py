@@ -1,4 +1,4 @@
-"""Developer sessions: nox -s tests | lint | typecheck | demo | bench | docs | gpu."""
+"""Developer sessions: nox -s tests | lint | typecheck | demo | bench | docs | gpu | floor."""
 
 from __future__ import annotations
 
@@ -13,6 +13,15 @@ def tests(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("-e", ".[test]")
     session.run("python", "-m", "pytest", *session.posargs)
+
+
+@nox.session
+def floor(session: nox.Session) -> None:
+    """The CPU tests on the oldest torch the package accepts (2.11: its PyPI wheel is a CUDA
+    build, about 5 GB with its CUDA libraries, which runs on the CPU too). Not in CI."""
+    session.install("torch==2.11.0")
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "pytest", "tests", "--ignore=tests/docs", *session.posargs)
 
 
 @nox.session
