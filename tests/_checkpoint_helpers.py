@@ -230,3 +230,81 @@ def same(a, b) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     return a == b
+
+
+# ------------------------------------------------------------------------------------------
+# SIGKILL tests: a separately spawned group of ranks (the pools can't lose a rank)
+
+KILL_PG_TIMEOUT_S = 6.0  # the spawned group's; survivors must give up within it (plus slack)
+
+
+def start_kill_rank(rank: int, world: int, init_file: str, root: str) -> tuple[Model, dict]:
+    """A spawned rank's common start: join the group (timeout ``KILL_PG_TIMEOUT_S``), train one
+    step of the Adam model, save it to ``root/step_1`` (rank 0 also keeps its global state in
+    ``state_1.pt``), take one more step; the model and its state dict, to be saved next."""
+    import warnings
+    from datetime import timedelta
+
+    from mfsdp_optim.checkpoint import build_sharded_state_dict, save_checkpoint
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=KILL_PG_TIMEOUT_S),
+    )
+    m = Model("fsdp", "adam")
+    m.step(0)
+    sd = build_sharded_state_dict(m.optimizer, m.records)
+    state = global_state(sd)
+    save_checkpoint({"optimizer": sd}, os.path.join(root, "step_1"))
+    if rank == 0:
+        torch.save(state, os.path.join(root, "state_1.pt"))
+    m.step(1)
+    return m, build_sharded_state_dict(m.optimizer, m.records)
+
+
+def end_kill_rank(root: str, rank: int, outcome: dict) -> None:
+    """A surviving rank's end: its outcome into ``root/outcome<rank>.json``, then exit at once
+    (a process group with a dead peer cannot be torn down cleanly)."""
+    import json
+
+    with open(os.path.join(root, f"outcome{rank}.json"), "w") as f:
+        json.dump(outcome, f)
+    os._exit(0)
+
+
+def spawn_ranks(target, root: str, extra: tuple, world: int = 2, limit_s: float = 120.0):
+    """``target(rank, world, init_file, root, *extra)`` on ``world`` forkserver processes; a
+    rank that creates ``root/kill_all`` has every rank SIGKILLed. Returns the exit codes and
+    the ranks still alive after ``limit_s`` (killed then: a hang)."""
+    import contextlib
+    import signal
+    import time
+
+    import torch.multiprocessing as tmp
+
+    ctx = tmp.get_context("forkserver")
+    init_file = os.path.join(root, "init")
+    procs = [
+        ctx.Process(target=target, args=(r, world, init_file, root, *extra)) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and any(p.is_alive() for p in procs):
+        if os.path.exists(os.path.join(root, "kill_all")):
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError):  # it may have died meanwhile
+                    os.kill(p.pid, signal.SIGKILL)
+        time.sleep(0.01)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():  # a hung rank: a failure, but clean up first
+            p.kill()
+        p.join()
+    return [p.exitcode for p in procs], hung

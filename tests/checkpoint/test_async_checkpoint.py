@@ -9,18 +9,26 @@ asserts how long the ranks took to raise.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import threading
 import time
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-from _checkpoint_helpers import Model, global_params, global_state, same, snapshot
+from _checkpoint_helpers import (
+    KILL_PG_TIMEOUT_S,
+    Model,
+    end_kill_rank,
+    global_params,
+    global_state,
+    same,
+    snapshot,
+    spawn_ranks,
+    start_kill_rank,
+)
 from torch.distributed.checkpoint import FileSystemWriter
 
 from mfsdp_optim.checkpoint import (
@@ -343,7 +351,6 @@ def test_async_disagreement_is_raised_by_wait_on_every_rank(ranks, tmp_path):
 # ------------------------------------------------------------------------------------------
 # SIGKILL at each stage of an asynchronous save: a separately spawned group of processes
 
-PG_TIMEOUT_S = 6.0  # the spawned group's; survivors must give up within it (plus slack)
 # stage: (the rank killed when one rank is, whether the new checkpoint is then published)
 STAGES = {
     "staging": (1, False),  # inside the copy off the live tensors (foreground)
@@ -373,29 +380,9 @@ KILLS = [
 
 
 def _kill_worker(rank, world, init_file, root, stage, who):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    import warnings
-
-    warnings.simplefilter("ignore")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=PG_TIMEOUT_S),
-    )
     from mfsdp_optim.checkpoint import _async, _publish
 
-    m = Model("fsdp", "adam")
-    m.step(0)
-    sd = build_sharded_state_dict(m.optimizer, m.records)
-    state = global_state(sd)
-    save_checkpoint({"optimizer": sd}, os.path.join(root, "step_1"))
-    if rank == 0:
-        torch.save(state, os.path.join(root, "state_1.pt"))
-    m.step(1)
-    sd = build_sharded_state_dict(m.optimizer, m.records)
+    m, sd = start_kill_rank(rank, world, init_file, root)
     state = global_state(sd)
     if rank == 0:
         torch.save(state, os.path.join(root, "state_2.pt"))
@@ -450,36 +437,13 @@ def _kill_worker(rank, world, init_file, root, stage, who):
     except BaseException as exc:  # the survivors: record what they saw
         outcome["error"] = f"{type(exc).__name__}: {exc}"[:3000]
     outcome["elapsed_s"] = time.monotonic() - t0
-    with open(os.path.join(root, f"outcome{rank}.json"), "w") as f:
-        json.dump(outcome, f)
-    os._exit(0)  # a process group with a dead peer cannot be torn down cleanly
+    end_kill_rank(root, rank, outcome)
 
 
 def _spawn_kill(root, stage, who, world=2):
-    import torch.multiprocessing as tmp
-
-    ctx = tmp.get_context("forkserver")
-    init_file = os.path.join(root, "init")
-    procs = [
-        ctx.Process(target=_kill_worker, args=(r, world, init_file, root, stage, who))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and any(p.is_alive() for p in procs):
-        if os.path.exists(os.path.join(root, "kill_all")):
-            for p in procs:
-                with contextlib.suppress(ProcessLookupError):  # it may have died meanwhile
-                    os.kill(p.pid, signal.SIGKILL)
-        time.sleep(0.01)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():  # a hung rank: a failure, but clean up first
-            p.kill()
-        p.join()
+    codes, hung = spawn_ranks(_kill_worker, root, (stage, who), world)
     assert not hung, f"ranks {hung} hung"
-    return [p.exitcode for p in procs]
+    return codes
 
 
 def _load_state(path):
@@ -511,7 +475,7 @@ def test_async_save_killed_at_any_stage(ranks, tmp_path, stage, who):
             outcome = json.load(f)
         err = outcome["error"]
         assert err is not None, f"rank {r} believed the save succeeded"
-        assert outcome["elapsed_s"] < PG_TIMEOUT_S + 20, outcome
+        assert outcome["elapsed_s"] < KILL_PG_TIMEOUT_S + 20, outcome
         if published:  # what is on disk: the new checkpoint, whole
             assert "WAS published" in err and "is complete" in err, err
         else:

@@ -23,7 +23,16 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from _checkpoint_helpers import Model, global_state, same, snapshot
+from _checkpoint_helpers import (
+    KILL_PG_TIMEOUT_S,
+    Model,
+    end_kill_rank,
+    global_state,
+    same,
+    snapshot,
+    spawn_ranks,
+    start_kill_rank,
+)
 
 from mfsdp_optim.checkpoint import (
     CorruptCheckpointError,
@@ -37,9 +46,6 @@ from mfsdp_optim.checkpoint import (
     load_sharded_state_dict,
     save_checkpoint,
 )
-
-PG_TIMEOUT_S = 6.0  # the spawned group's; survivors must give up within it (plus slack)
-
 
 # ------------------------------------------------------------------------------------------
 # killed mid-save: a separate group of processes, one of which SIGKILLs itself
@@ -66,27 +72,7 @@ def _writer_cls(mode: str, victim: int):
 
 
 def _kill_worker(rank, world, init_file, root, mode, victim):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    import warnings
-
-    warnings.simplefilter("ignore")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=PG_TIMEOUT_S),
-    )
-    m = Model("fsdp", "adam")
-    m.step(0)
-    sd = build_sharded_state_dict(m.optimizer, m.records)
-    state1 = global_state(sd)
-    save_checkpoint({"optimizer": sd}, os.path.join(root, "step_1"))
-    if rank == 0:
-        torch.save(state1, os.path.join(root, "state_1.pt"))
-    m.step(1)
-    sd = build_sharded_state_dict(m.optimizer, m.records)
+    m, sd = start_kill_rank(rank, world, init_file, root)
     t0 = time.monotonic()
     outcome = {"rank": rank, "error": None}
     try:
@@ -96,30 +82,11 @@ def _kill_worker(rank, world, init_file, root, mode, victim):
     except BaseException as exc:  # the survivors: record what they saw
         outcome["error"] = f"{type(exc).__name__}: {exc}"[:600]
     outcome["elapsed_s"] = time.monotonic() - t0
-    with open(os.path.join(root, f"outcome{rank}.json"), "w") as f:
-        json.dump(outcome, f)
-    os._exit(0)  # a process group with a dead peer cannot be torn down cleanly
+    end_kill_rank(root, rank, outcome)
 
 
 def _spawn_kill(root: str, mode: str, victim: int, world: int = 2) -> list:
-    import torch.multiprocessing as tmp
-
-    ctx = tmp.get_context("forkserver")
-    init_file = os.path.join(root, "init")
-    procs = [
-        ctx.Process(target=_kill_worker, args=(r, world, init_file, root, mode, victim))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 120
-    for p in procs:
-        p.join(timeout=max(1.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():  # a survivor that hung: that is a failure, but clean up first
-            p.kill()
-            p.join()
-    return [p.exitcode for p in procs]
+    return spawn_ranks(_kill_worker, root, (mode, victim), world)[0]
 
 
 def _load_into_fresh(path):
@@ -169,7 +136,7 @@ def test_rank_killed_mid_save_keeps_previous_checkpoint(ranks, tmp_path, mode, v
         assert "Nothing was published" in outcome["error"] or "did not reach" in outcome["error"], (
             outcome
         )
-        assert outcome["elapsed_s"] < PG_TIMEOUT_S + 20, outcome
+        assert outcome["elapsed_s"] < KILL_PG_TIMEOUT_S + 20, outcome
         print(f"survivor rank {r}: {outcome['elapsed_s']:.2f}s: {outcome['error'][:200]}")
     step1, step2 = os.path.join(root, "step_1"), os.path.join(root, "step_2")
     # step 2 was never published; what it wrote is in the staging dir, without a marker
