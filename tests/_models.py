@@ -2,12 +2,27 @@
 
 ``_model`` builds an uneven MLP from an explicit seed, ``_batch`` a deterministic input per step,
 ``_shard`` applies ``fully_shard`` per Linear and then to the root; ``llama_hsdp_metas`` the
-whole-param planner's view of the Llama-like 1B set under HSDP.
+whole-param planner's view of the Llama-like 1B set under HSDP; ``ELEMENTWISE_KWARGS`` the
+elementwise ``torch.optim`` classes and the options the tests step them with.
 """
 
 from __future__ import annotations
 
 import torch
+
+ELEMENTWISE_KWARGS = {
+    "SGD": dict(lr=0.1, momentum=0.9),
+    "Adam": dict(lr=0.01),
+    "AdamW": dict(lr=0.01, weight_decay=0.1),
+    "Adagrad": dict(lr=0.1),
+    "Adadelta": dict(lr=1.0),
+    "Adamax": dict(lr=0.01),
+    "NAdam": dict(lr=0.01),
+    "RAdam": dict(lr=0.01),
+    "RMSprop": dict(lr=0.01),
+    "Rprop": dict(lr=0.01),
+    "ASGD": dict(lr=0.01),
+}
 
 
 def _model(seed: int, sizes=(6, 5, 3, 1)) -> torch.nn.Module:

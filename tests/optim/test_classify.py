@@ -16,23 +16,14 @@ import sys
 
 import pytest
 import torch
+from _models import ELEMENTWISE_KWARGS
 
 from mfsdp_optim.optim import Classification, classify_update
 from mfsdp_optim.optim._classify import classify_with, trial
 from mfsdp_optim.optim._kinds import known_kind
 
 KWARGS = {
-    "SGD": dict(lr=0.1, momentum=0.9),
-    "Adam": dict(lr=0.01),
-    "AdamW": dict(lr=0.01, weight_decay=0.1),
-    "Adagrad": dict(lr=0.1),
-    "Adadelta": dict(lr=1.0),
-    "Adamax": dict(lr=0.01),
-    "NAdam": dict(lr=0.01),
-    "RAdam": dict(lr=0.01),
-    "RMSprop": dict(lr=0.01),
-    "Rprop": dict(lr=0.01),
-    "ASGD": dict(lr=0.01),
+    **ELEMENTWISE_KWARGS,
     "Muon": dict(lr=0.02, weight_decay=0.1),
     "Adafactor": dict(lr=0.01),
     "LBFGS": dict(lr=0.1),

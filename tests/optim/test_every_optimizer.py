@@ -16,22 +16,11 @@ import dataclasses
 import pytest
 import torch
 from _layouts import OPTIMIZER_LAYOUTS, global_tensor, stripe_of, stripes
+from _models import ELEMENTWISE_KWARGS
 
 # (shape, mesh, used dims, placements): every param of a layout is 2-D so Muon takes them all
 LAYOUTS = OPTIMIZER_LAYOUTS
-ELEMENTWISE = {
-    "SGD": dict(lr=0.1, momentum=0.9),
-    "Adam": dict(lr=0.01),
-    "AdamW": dict(lr=0.01, weight_decay=0.1),
-    "Adagrad": dict(lr=0.1),
-    "Adadelta": dict(lr=1.0),
-    "Adamax": dict(lr=0.01),
-    "NAdam": dict(lr=0.01),
-    "RAdam": dict(lr=0.01),
-    "RMSprop": dict(lr=0.01),
-    "Rprop": dict(lr=0.01),
-    "ASGD": dict(lr=0.01),
-}
+ELEMENTWISE = ELEMENTWISE_KWARGS
 WHOLE = {
     "Muon": dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=True),
     "Adafactor": dict(lr=0.01),
