@@ -30,7 +30,14 @@ from _models import llama_hsdp_metas
 from _ranks import get_pool  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from test_whole_param import OPTIMIZERS, _full, _grad_spec, _param_spec, _spec  # noqa: E402
+from test_whole_param import (  # noqa: E402
+    OPTIMIZERS,
+    _assert_like_reference,
+    _full,
+    _grad_spec,
+    _param_spec,
+    _spec,
+)
 
 from mfsdp_optim.optim._whole import (  # noqa: E402
     generic_splits,
@@ -127,23 +134,7 @@ def _rank_replicas(specs, opt_name, span, steps=3):
             ref_opt.step()
     finally:
         _generic.exchange_records = real
-    for i, (p, r) in enumerate(zip(params, ref, strict=True)):
-        assert torch.equal(p.full_tensor(), r.detach()), f"param {i} ({specs[i]})"
-        mine, theirs = opt.state[p], ref_opt.state[r]
-        assert list(mine) == list(theirs), (list(mine), list(theirs))
-        for k, v in theirs.items():
-            got = _full(mine[k])
-            if isinstance(v, torch.Tensor):
-                assert isinstance(got, torch.Tensor) and torch.equal(got, v), (i, k)
-            elif isinstance(v, list):  # e.g. a list of tensors
-                assert len(got) == len(v), (i, k)
-            else:
-                assert got == v, (i, k)
-    level = [k for k in ref_opt.state if not isinstance(k, torch.Tensor)]
-    for k in level:  # optimizer-level entries (MADGRAD's k)
-        assert _full(opt.state[k]) == ref_opt.state[k] or torch.equal(
-            _full(opt.state[k]), ref_opt.state[k]
-        ), k
+    _assert_like_reference(opt, ref_opt, params, ref, specs)
     assert plan is not None
     return [(u.owner, u.members, u.receivers) for u in plan.units], sent, plan.units
 
