@@ -15,6 +15,7 @@ The hypothesis sweep draws class, layout, fault, failing ranks and step;
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -183,7 +184,6 @@ def _inject(fault, opt_name, opt, params, bad):
 def _rank_fault(opt_name, layout, fault, bad, fault_step):
     from _layouts import build_grad
 
-    from mfsdp_optim._infra.agreement import RankFailedError
     from mfsdp_optim.optim._whole import step_whole_params
 
     _, specs = LAYOUTS[layout]
@@ -198,22 +198,31 @@ def _rank_fault(opt_name, layout, fault, bad, fault_step):
         if step != fault_step:
             plan = step_whole_params(opt, params, plan_cache=plan)
             continue
-        before = _snapshot(opt, params)
-        undo = _inject(fault, opt_name, opt, params, bad)
-        t0 = time.monotonic()
-        try:
-            plan = step_whole_params(opt, params, plan_cache=plan)
-            outcome = ["ok", "", time.monotonic() - t0]
-        except Exception as exc:
-            name = "RankFailedError" if isinstance(exc, RankFailedError) else type(exc).__name__
-            outcome = [name, str(exc), time.monotonic() - t0]
-        finally:
-            undo()
-        if outcome[0] != "ok":
-            outcome.append(_unchanged(before, _snapshot(opt, params)))
-        else:
-            outcome.append([])
+        inject = functools.partial(_inject, fault, opt_name, opt, params, bad)
+        plan, outcome = _faulty_step(opt, params, plan, inject)
     return outcome  # the clean step after it ran on every rank (else the pool reports a hang)
+
+
+def _faulty_step(opt, params, plan, inject, **kw):
+    """The faulty step: the state snapshotted, ``inject()`` (which returns the fault's undo),
+    the step, the undo. The plan, and ``[error class or "ok", message, seconds, what changed if
+    it raised]``."""
+    from mfsdp_optim._infra.agreement import RankFailedError
+    from mfsdp_optim.optim._whole import step_whole_params
+
+    before = _snapshot(opt, params)
+    undo = inject()
+    t0 = time.monotonic()
+    try:
+        plan = step_whole_params(opt, params, plan_cache=plan, **kw)
+        outcome = ["ok", "", time.monotonic() - t0]
+    except Exception as exc:
+        name = "RankFailedError" if isinstance(exc, RankFailedError) else type(exc).__name__
+        outcome = [name, str(exc), time.monotonic() - t0]
+    finally:
+        undo()
+    outcome.append(_unchanged(before, _snapshot(opt, params)) if outcome[0] != "ok" else [])
+    return plan, outcome
 
 
 def _check(out, opt_name, fault, bad):
@@ -734,7 +743,6 @@ def _rank_replica_fault(opt_name, layout, fault, roles):
     from test_whole_replicas import LAYOUTS as REPLICA_LAYOUTS
     from test_whole_replicas import _class
 
-    from mfsdp_optim._infra.agreement import RankFailedError
     from mfsdp_optim.optim._whole import step_whole_params
 
     specs, _ = REPLICA_LAYOUTS[layout]
@@ -759,18 +767,8 @@ def _rank_replica_fault(opt_name, layout, fault, roles):
             "member": next(m for m in unit.members if m != unit.owner),
         }
         bad = sorted({holders[r] for r in roles})
-        before = _snapshot(opt, params)
-        undo = _inject_replica(fault, opt, params, target, bad)
-        t0 = time.monotonic()
-        try:
-            plan = step_whole_params(opt, params, plan_cache=plan, span_replicas=True)
-            outcome = ["ok", "", time.monotonic() - t0]
-        except Exception as exc:
-            name = "RankFailedError" if isinstance(exc, RankFailedError) else type(exc).__name__
-            outcome = [name, str(exc), time.monotonic() - t0]
-        finally:
-            undo()
-        outcome.append(_unchanged(before, _snapshot(opt, params)) if outcome[0] != "ok" else [])
+        inject = functools.partial(_inject_replica, fault, opt, params, target, bad)
+        plan, outcome = _faulty_step(opt, params, plan, inject, span_replicas=True)
         outcome.append((bad, unit.owner))
     return outcome  # the clean step after it ran on every rank (else the pool reports a hang)
 
