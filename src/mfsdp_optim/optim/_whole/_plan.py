@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -422,43 +422,17 @@ def muon_splits(
     return send_in, recv_in, send_out, recv_out
 
 
-def generic_splits(
-    units: Sequence[Unit], rank: int, world: int, in_bytes: int, out_bytes: int, whole: int = 0
-) -> tuple[list[int], list[int], list[int], list[int]]:
-    """The piece bytes ``rank`` sends to and receives from each rank on the generic path, every
-    unit with grads: (send_in, recv_in, send_out, recv_out), self excluded. Each member that
-    is not the owner sends ``in_bytes`` per element of its piece (param, grad and the
-    param-shaped state entries); a receiver sends none (its flags travel in the header). The
-    owner sends each member and receiver ``out_bytes`` per element of its piece (the new param
-    and param-shaped entries) and ``whole`` bytes (the other tensor entries, whole). Status
+def _generic_flows(
+    units: Sequence[Unit], sizes: Callable[[ParamMeta], tuple[int, int, int]]
+) -> Iterator[tuple[bool, int, int, int]]:
+    """Every piece transfer of the generic path, every unit with grads: ``(inbound, sender,
+    receiver, bytes)``. Each member that is not the owner sends ``in_bytes`` per element of its
+    piece (param, grad and the param-shaped state entries); a receiver sends none (its flags
+    travel in the header). The owner sends each member and receiver ``out_bytes`` per element
+    of its piece (the new param and param-shaped entries) and ``whole`` bytes (the other tensor
+    entries, whole); ``sizes(meta)`` gives ``(in_bytes, out_bytes, whole)`` per param. Status
     words, the headers (keys, flags, group values, pickled) and the sizes exchange are not
     counted: they are small and follow the state, not the plan."""
-    send_in, recv_in = [0] * world, [0] * world
-    send_out, recv_out = [0] * world, [0] * world
-    for u in units:
-        holders = zip((*u.members, *u.receivers), (*u.pieces, *u.receiver_pieces), strict=True)
-        for holder, piece in holders:
-            if holder == u.owner or rank not in (holder, u.owner):
-                continue
-            n = piece_numel(piece)
-            sent_in = in_bytes * n if holder in u.members else 0
-            back = out_bytes * n + whole
-            if rank == u.owner:
-                recv_in[holder] += sent_in
-                send_out[holder] += back
-            else:
-                send_in[u.owner] += sent_in
-                recv_out[u.owner] += back
-    return send_in, recv_in, send_out, recv_out
-
-
-def generic_traffic(
-    units: Sequence[Unit], world: int, sizes: Callable[[ParamMeta], tuple[int, int, int]]
-) -> list[tuple[int, int]]:
-    """Each rank's (sent, received) piece bytes on the generic path in one pass over the units:
-    what ``generic_splits`` gives summed over peers, with ``sizes(meta)`` giving each param's
-    ``(in_bytes, out_bytes, whole)`` (a class's state differs between params)."""
-    sent, received = [0] * world, [0] * world
     for u in units:
         in_bytes, out_bytes, whole = sizes(u.meta)
         holders = zip((*u.members, *u.receivers), (*u.pieces, *u.receiver_pieces), strict=True)
@@ -467,10 +441,36 @@ def generic_traffic(
                 continue
             n = piece_numel(piece)
             if holder in u.members:
-                sent[holder] += in_bytes * n
-                received[u.owner] += in_bytes * n
-            sent[u.owner] += out_bytes * n + whole
-            received[holder] += out_bytes * n + whole
+                yield True, holder, u.owner, in_bytes * n
+            yield False, u.owner, holder, out_bytes * n + whole
+
+
+def generic_splits(
+    units: Sequence[Unit], rank: int, world: int, in_bytes: int, out_bytes: int, whole: int = 0
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The piece bytes ``rank`` sends to and receives from each rank on the generic path (the
+    transfers of ``_generic_flows``, every param at these sizes): (send_in, recv_in, send_out,
+    recv_out), self excluded."""
+    send_in, recv_in = [0] * world, [0] * world
+    send_out, recv_out = [0] * world, [0] * world
+    for inbound, src, dst, n in _generic_flows(units, lambda _: (in_bytes, out_bytes, whole)):
+        if rank == src:
+            (send_in if inbound else send_out)[dst] += n
+        elif rank == dst:
+            (recv_in if inbound else recv_out)[src] += n
+    return send_in, recv_in, send_out, recv_out
+
+
+def generic_traffic(
+    units: Sequence[Unit], world: int, sizes: Callable[[ParamMeta], tuple[int, int, int]]
+) -> list[tuple[int, int]]:
+    """Each rank's (sent, received) piece bytes on the generic path in one pass over the units:
+    the transfers of ``_generic_flows`` summed per rank (a class's state differs between
+    params)."""
+    sent, received = [0] * world, [0] * world
+    for _, src, dst, n in _generic_flows(units, sizes):
+        sent[src] += n
+        received[dst] += n
     return list(zip(sent, received, strict=True))
 
 
