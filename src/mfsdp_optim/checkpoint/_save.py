@@ -152,7 +152,7 @@ def save_checkpoint(
             ``handle.wait()``.
     """
     t0 = time.perf_counter()
-    rank, world, _ = dist_info(process_group)
+    rank, world, distributed = dist_info(process_group)
     final = os.path.abspath(os.fspath(directory))
     staging = final + STAGING_SUFFIX
     prep: Failure | None = _async.settle()  # a save in flight: wait; its unreported error
@@ -179,7 +179,7 @@ def save_checkpoint(
     ranks = group_ranks(process_group, world)
     job = _Job(final, staging, rank, world, checksums, overwrite, metadata)
     writer = writer_cls(staging, thread_count=thread_count)
-    me = dist.get_rank() if dist_info(process_group)[2] else 0
+    me = dist.get_rank() if distributed else 0  # the global rank names this rank's files
 
     def write_and_finish(
         sd: Mapping[str, Any], on: dist.ProcessGroup | None, failed: Failure | None
@@ -219,7 +219,6 @@ def save_checkpoint(
         raise_agreed(agreed(prep, process_group), f"cannot save the checkpoint {final}")
         # the background's collectives on a gloo group of their own (none in one process)
         try:  # a collective setup: a peer that died meanwhile fails it on this rank
-            distributed = dist_info(process_group)[2]
             group = _async.background_group(process_group, ranks) if distributed else None
         except RuntimeError as exc:
             raise collective_failed(exc) from exc
