@@ -176,7 +176,7 @@ def generic_step(
             unit = units[u]
             if unit.owner != rank or not ok:
                 continue
-            holders = (*unit.members, *unit.receivers)
+            holders = unit.holders
             here = [present[u] if m == rank else member_present[(u, m)] for m in holders]
             if len(set(here)) > 1:
                 have = [m for m, h in zip(holders, here, strict=True) if h]
@@ -224,10 +224,7 @@ def generic_step(
             new_state = stepped.get(full_param, {})
             gi = group_index[mine[u]]
             settings = {k: v for k, v in groups[gi].items() if k != "params"}
-            pairs = zip(
-                (*unit.members, *unit.receivers), (*unit.pieces, *unit.receiver_pieces), strict=True
-            )
-            for member, piece in pairs:
+            for member, piece in unit.holder_pieces():
                 keys: list[tuple] = [
                     (GROUP, "g", None, None, settings),
                     (PARAM, "p", str(full_param.dtype), None, None),

@@ -86,7 +86,7 @@ def _inward(plan: WholeParamPlan) -> _Inward:
             if u in local and unit.owner != rank:
                 to_owner[unit.owner].append(u)
             if unit.owner == rank:
-                for m in (*unit.members, *unit.receivers):
+                for m in unit.holders:
                     if m != rank:
                         from_peer[m].append(u)
         slot = {}
@@ -220,7 +220,7 @@ def muon_step(
     for u, unit in enumerate(units):
         if unit.owner != rank:
             continue
-        holders = (*unit.members, *unit.receivers)
+        holders = unit.holders
         unit_flags = [flags[u] if m == rank else peer_flags[(u, m)] for m in holders]
         if ok and len(set(unit_flags)) > 1:
             error, ok = ValueError(_mismatch(unit.meta.name, holders, unit_flags)), False
@@ -254,10 +254,7 @@ def muon_step(
             continue
         orth, normalised = orthogonal.get(u), fulls.get(u)
         shape = unit.meta.shape
-        pairs = zip(
-            (*unit.members, *unit.receivers), (*unit.pieces, *unit.receiver_pieces), strict=True
-        )
-        for holder, piece in pairs:
+        for holder, piece in unit.holder_pieces():
             f = flags[u] if holder == rank else peer_flags[(u, holder)]
             if not f & 1:
                 continue

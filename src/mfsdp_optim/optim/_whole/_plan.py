@@ -77,6 +77,15 @@ class Unit:
     receivers: tuple[int, ...] = ()
     receiver_pieces: tuple[Piece, ...] = ()
 
+    @property
+    def holders(self) -> tuple[int, ...]:
+        """Every rank that holds a piece: the members, then the receivers."""
+        return (*self.members, *self.receivers)
+
+    def holder_pieces(self) -> Iterator[tuple[int, Piece]]:
+        """Each holder (members, then receivers) with its piece."""
+        return zip(self.holders, (*self.pieces, *self.receiver_pieces), strict=True)
+
     def piece_for(self, rank: int) -> Piece:
         """The piece ``rank`` (a member or a receiver) holds."""
         if rank in self.members:
@@ -435,8 +444,7 @@ def _generic_flows(
     counted: they are small and follow the state, not the plan."""
     for u in units:
         in_bytes, out_bytes, whole = sizes(u.meta)
-        holders = zip((*u.members, *u.receivers), (*u.pieces, *u.receiver_pieces), strict=True)
-        for holder, piece in holders:
+        for holder, piece in u.holder_pieces():
             if holder == u.owner:
                 continue
             n = piece_numel(piece)
