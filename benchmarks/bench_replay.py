@@ -151,6 +151,8 @@ def main() -> None:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     if cuda:
+        if device.index is None:  # set_device needs an index; "cuda" means the current one
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1)
