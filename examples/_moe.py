@@ -141,9 +141,11 @@ class MoE(nn.Module):
         if self.ep_group is None:
             y = self.experts(h, idx)
         else:
-            h_all = _all_gather_ad(h, 0, self.ep_group)
-            idx_all = _all_gather(idx, 0, self.ep_group)
-            y_all = self.experts(funcol.wait_tensor(h_all), funcol.wait_tensor(idx_all))
+            # One functional collective in flight at a time: on gloo (torch 2.13), a second one
+            # issued before the first is waited corrupts the heap (docs/troubleshooting.md).
+            h_all = funcol.wait_tensor(_all_gather_ad(h, 0, self.ep_group))
+            idx_all = funcol.wait_tensor(_all_gather(idx, 0, self.ep_group))
+            y_all = self.experts(h_all, idx_all)
             y = funcol.wait_tensor(_reduce_scatter_ad(y_all, "sum", 0, self.ep_group))
         return (y * gate.unsqueeze(-1).to(y.dtype)).view(b, t, c), aux
 

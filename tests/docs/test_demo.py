@@ -23,8 +23,8 @@ DEMO = os.path.join(ROOT, "examples", "demo.py")
 
 def _run_demo(out_dir, *extra: str, timeout: float = 240.0) -> str:
     # PYTHONFAULTHANDLER: a rank that dies of a signal prints its Python stacks into stderr below.
-    # Rarely (about 1 run in 40 here) a rank dies of a heap corruption in torch's gloo worker
-    # threads, with stock AdamW as with this package: docs/troubleshooting.md, "A CPU rank dies"
+    # A rank that died of a heap corruption: docs/troubleshooting.md, "A CPU rank dies" (the
+    # demo's cause is gone; test_demo_model.py guards it)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     cmd = [sys.executable, DEMO, "--quick", "--no-progress", "--out", str(out_dir), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
