@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -40,15 +41,10 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import mfsdp_optim
 
-SHAPES = [
-    (2048, 2048),
-    (512, 2048),
-    (512, 2048),
-    (2048, 2048),
-    (5632, 2048),
-    (5632, 2048),
-    (2048, 5632),
-]
+# the Llama-like 1B set: one definition, which the plan tests check the issue's targets on
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from _models import LLAMA_MATRICES as SHAPES  # noqa: E402
+from _models import llama_hsdp_metas  # noqa: E402
 
 
 def _timed(device: str, fn) -> float:
@@ -69,25 +65,6 @@ def ns_flops(shape: tuple[int, ...], steps: int = 5) -> int:
     return steps * (4 * r * r * c + 2 * r * r * r)
 
 
-def hsdp_metas(world: int, replicas: int, layers: int, shapes, dtype: str) -> list:
-    """The plan's view of ``layers`` layers of ``shapes`` under HSDP: ``replicas`` replica groups
-    (Replicate on mesh dim 0) of ``world // replicas`` shards (Shard(0) on dim 1)."""
-    from mfsdp_optim.optim._whole import ParamMeta
-
-    return [
-        ParamMeta(
-            f"layers.{i}.{j}",
-            tuple(range(world)),
-            (replicas, world // replicas),
-            (("R",), ("S", 0)),
-            shape,
-            dtype,
-        )
-        for i in range(layers)
-        for j, shape in enumerate(shapes)
-    ]
-
-
 def plan_table(layers: int = 16) -> list[dict]:
     """Per (world, replicas): the busiest rank's Newton-Schulz flops against total / world, and
     the largest bytes any rank sends or receives against twice its local shard bytes, owners
@@ -97,7 +74,7 @@ def plan_table(layers: int = 16) -> list[dict]:
     rows = []
     for world in (8, 64, 512):
         for replicas in (1, 2, 4):
-            metas = hsdp_metas(world, replicas, layers, SHAPES, "torch.bfloat16")
+            metas = llama_hsdp_metas(world, replicas, layers)
             once = sum(ns_flops(m.shape) for m in metas)  # the work, done once
             row: dict = {"world": world, "replicas": replicas, "total_gflop": once / 1e9}
             for name, span in (("before", False), ("now", True)):
@@ -155,9 +132,7 @@ def generic_plan_table(layers: int = 16) -> list[dict]:
     rows = []
     for world in (8, 64, 512):
         for replicas in (1, 2, 4):
-            metas = hsdp_metas(
-                world, replicas, layers, [*SHAPES, (2048,), (2048,)], "torch.float32"
-            )
+            metas = llama_hsdp_metas(world, replicas, layers, dtype="torch.float32", norms=True)
             total = sum(math.prod(m.shape) for m in metas)
             row: dict = {"world": world, "replicas": replicas}
             for name, span in (("before", False), ("now", None)):

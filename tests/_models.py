@@ -2,7 +2,8 @@
 
 ``_model`` builds an uneven MLP from an explicit seed, ``_batch`` a deterministic input per step,
 ``_shard`` applies ``fully_shard`` per Linear and then to the root; ``llama_hsdp_metas`` the
-whole-param planner's view of the Llama-like 1B set under HSDP; ``ELEMENTWISE_KWARGS`` the
+whole-param planner's view of the Llama-like 1B set under HSDP (``benchmarks/bench_muon.py``
+measures and plans that same set from here); ``ELEMENTWISE_KWARGS`` the
 elementwise ``torch.optim`` classes and the options the tests step them with.
 """
 

@@ -229,17 +229,13 @@ def test_each_matrix_has_one_owner_over_all_replicas(ranks):
         assert owner in members and len(members) == 2 and len(receivers) == 6
 
 
-def _llama_hsdp_metas(world, replicas, layers=16):
-    return llama_hsdp_metas(world, replicas, layers)
-
-
 @pytest.mark.parametrize("world", [8, 64])
 @pytest.mark.parametrize("replicas", [1, 2, 4])
 def test_the_plan_meets_the_issue_targets(world, replicas):
     from mfsdp_optim.optim._whole import muon_splits, plan_units
     from mfsdp_optim.optim._whole._pieces import piece_numel
 
-    metas = _llama_hsdp_metas(world, replicas)
+    metas = llama_hsdp_metas(world, replicas)
     units = plan_units([metas] * world, "muon")
     assert len(units) == len(metas)  # the work is done once, whatever the replicas
 
