@@ -243,20 +243,13 @@ def start_kill_rank(rank: int, world: int, init_file: str, root: str) -> tuple[M
     step of the Adam model, save it to ``root/step_1`` (rank 0 also keeps its global state in
     ``state_1.pt``), take one more step; the model and its state dict, to be saved next."""
     import warnings
-    from datetime import timedelta
+
+    from _ranks import join_gloo_group
 
     from mfsdp_optim.checkpoint import build_sharded_state_dict, save_checkpoint
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=KILL_PG_TIMEOUT_S),
-    )
+    join_gloo_group(rank, world, init_file, KILL_PG_TIMEOUT_S)
     m = Model("fsdp", "adam")
     m.step(0)
     sd = build_sharded_state_dict(m.optimizer, m.records)

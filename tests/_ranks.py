@@ -31,7 +31,7 @@ from datetime import timedelta
 from queue import Empty
 from typing import Any
 
-__all__ = ["RankPool", "RankFailure", "get_pool", "shutdown_pools"]
+__all__ = ["RankPool", "RankFailure", "get_pool", "join_gloo_group", "shutdown_pools"]
 
 _PG_TIMEOUT_S = float(os.environ.get("MFSDP_TEST_PG_TIMEOUT", "60"))
 _ERROR_GRACE_S = 10.0
@@ -42,24 +42,33 @@ class RankFailure(AssertionError):
     """A task failed or hung on at least one rank; the message holds every rank's story."""
 
 
-def _worker_main(rank, world_size, init_file, tasks, results, sys_path, stack_file):
-    sys.path[:] = sys_path
+def join_gloo_group(rank: int, world_size: int, init_file: str, timeout_s: float) -> None:
+    """A spawned test rank's start: one CPU thread (``OMP_NUM_THREADS`` defaults to 1, set before
+    torch is imported where it is not yet), then the gloo group through ``init_file``, whose
+    collectives give up after ``timeout_s``."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    # torch warns on every multi-dim full_tensor(); the tests call it on purpose
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    stacks = open(stack_file, "w")  # noqa: SIM115 - lives as long as the worker
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     dist.init_process_group(
         "gloo",
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=_PG_TIMEOUT_S),
+        timeout=timedelta(seconds=timeout_s),
     )
+
+
+def _worker_main(rank, world_size, init_file, tasks, results, sys_path, stack_file):
+    sys.path[:] = sys_path
+    # torch warns on every multi-dim full_tensor(); the tests call it on purpose
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    stacks = open(stack_file, "w")  # noqa: SIM115 - lives as long as the worker
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    join_gloo_group(rank, world_size, init_file, _PG_TIMEOUT_S)
+    import torch.distributed as dist
+
     results.put((rank, "ready", None))
     while True:
         task = tasks.get()
