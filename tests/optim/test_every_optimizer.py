@@ -20,7 +20,6 @@ from _models import ELEMENTWISE_KWARGS
 
 # (shape, mesh, used dims, placements): every param of a layout is 2-D so Muon takes them all
 LAYOUTS = OPTIMIZER_LAYOUTS
-ELEMENTWISE = ELEMENTWISE_KWARGS
 WHOLE = {
     "Muon": dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=True),
     "Adafactor": dict(lr=0.01),
@@ -83,11 +82,11 @@ def _check(results, specs, ref, exact):
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("name", sorted(ELEMENTWISE))
+@pytest.mark.parametrize("name", sorted(ELEMENTWISE_KWARGS))
 def test_elementwise_class_matches_unsharded(ranks, name, layout):
     specs = LAYOUTS[layout]
-    results = ranks(4).run(_rank_train, specs, name, ELEMENTWISE[name])
-    _check(results, specs, _reference(specs, name, ELEMENTWISE[name]), exact=False)
+    results = ranks(4).run(_rank_train, specs, name, ELEMENTWISE_KWARGS[name])
+    _check(results, specs, _reference(specs, name, ELEMENTWISE_KWARGS[name]), exact=False)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -152,7 +151,7 @@ def test_cross_param_and_sparse_classes_are_refused(ranks, name):
 
 def test_every_installed_class_is_covered():
     """A torch that adds an optimizer class fails here until the class is placed."""
-    known = set(ELEMENTWISE) | set(WHOLE) | {"LBFGS", "SparseAdam"}
+    known = set(ELEMENTWISE_KWARGS) | set(WHOLE) | {"LBFGS", "SparseAdam"}
     installed = {
         n
         for n, c in vars(torch.optim).items()
