@@ -166,6 +166,9 @@ def _rank_count(k, scope, host_sync, scaler, steps):
         with counted() as counts:
             out = wrapper.step()
             norms = wrapper.grad_norms
+            last = (wrapper.last_update_successful, wrapper.last_grad_norm, wrapper.last_num_zeros)
+            # the record of the last step is what step() returned (the same device tensors)
+            assert all(a is b for a, b in zip(last, out, strict=True)), (last, out)
             if not host_sync:  # reading the device values is the caller's business
                 out = tuple(v if v is None else v.item() for v in out)
                 norms = tuple(v.item() for v in norms)

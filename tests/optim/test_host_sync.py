@@ -92,6 +92,9 @@ def _rank_pair(opt_kw: dict, steps: int = 10):
         with counter:
             dev = opts[1].step()
         out["reads"].append(len(counter.reads))
+        for opt, ret in zip(opts, (host, dev), strict=True):  # the record of the last step
+            last = (opt.last_update_successful, opt.last_grad_norm, opt.last_num_zeros)
+            assert all(a is b for a, b in zip(last, ret, strict=True)), (step, last, ret)
         assert isinstance(dev[0], torch.Tensor) and isinstance(dev[1], torch.Tensor)
         got = (bool(dev[0]), float(dev[1]), int(dev[2]))
         assert got[0] == host[0] and got[2] == host[2], (step, got, host)

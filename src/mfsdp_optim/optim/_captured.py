@@ -101,7 +101,7 @@ class CapturedStep:
             if e.triton is not None:
                 fields.append((e.triton, "launches"))
         self.counters = Counters(fields)
-        self.after: tuple[Any, Any] = (None, None)  # (stage, last_update_successful) of a step
+        self.after: Any = None  # the stage a captured step leaves
 
     # ----------------------------------------------------------------------------- the step
 
@@ -147,19 +147,18 @@ class CapturedStep:
         if not before.same(after):
             graph.disable("a cache was rebuilt while the step was captured")
             return out
-        self.after = (w._stage, w.last_update_successful)
+        self.after = w._stage
         graph.captured_with(after, self._keep_alive())
         return out
 
     # ------------------------------------------------------------------------ the bookkeeping
 
     def _replayed(self) -> None:
-        """The host-side effects of the step a replay ran: the stage, the last result, the
-        counters, and the scaler's word that its device copy moved on (what its device update
+        """The host-side effects of the step a replay ran: the stage, the counters, and the scaler's word that its device copy moved on (what its device update
         says when it runs eagerly: the host fields are stale, copies on other devices too)."""
         w = self.wrapper
         self.counters.replayed()
-        w._stage, w.last_update_successful = self.after
+        w._stage = self.after
         scaler = w.grad_scaler
         if scaler is not None and scaler._device:
             scaler._device_stale = True

@@ -57,6 +57,15 @@ class FullyShardedOptimizer(OptimizerSurface):
     ``param_groups`` is the base optimizers' groups (the same dicts), ``state`` their state;
     lr schedulers accept the wrapper; torch's global step hooks and the wrapper's own hooks fire
     once per ``step()``, the base optimizers' hooks whenever their ``step()`` runs.
+
+    Attributes:
+        last_update_successful: What the last ``step()`` returned first (None before one): for
+            trainers that discard ``step()``'s return value (docs/trainers.md). A 0-d device
+            bool under ``OptimizerConfig(host_sync=False)``, like the return value.
+        last_grad_norm: The last ``step()``'s pre-clip global grad norm (float, or a 0-d
+            float32 device tensor under ``host_sync=False``).
+        last_num_zeros: The last ``step()``'s zero count (None unless
+            ``config.log_num_zeros_in_grad``).
     """
 
     def __init__(
@@ -70,7 +79,10 @@ class FullyShardedOptimizer(OptimizerSurface):
         super().__init__(optimizer, config, grad_scaler, model_chunks)
         self._init_state_fn = init_state_fn
         self._stage = Stage.READY
-        self.last_update_successful: bool | None = None
+        # the last step(), for trainers that discard its return value (see step())
+        self.last_update_successful: Any = None
+        self.last_grad_norm: Any = None
+        self.last_num_zeros: Any = None
         self._grad_norms: tuple[Any, ...] = ()
         scope = self.config.clip_scope
         if isinstance(scope, tuple) and scope and scope[-1] >= len(self.optimizers):
@@ -262,8 +274,11 @@ class FullyShardedOptimizer(OptimizerSurface):
                 "with step_with_ready_grads() (or zero_grad() to drop them)."
             )
         if self._captured is not None and self.config.cuda_graph:
-            return self._captured.run(self._step_body)
-        return self._step_body()
+            out = self._captured.run(self._step_body)
+        else:
+            out = self._step_body()
+        self.last_update_successful, self.last_grad_norm, self.last_num_zeros = out
+        return out
 
     def _step_body(self) -> tuple[Any, Any, Any]:
         """``step()`` after its closure and stage checks: what a captured step captures."""
@@ -283,7 +298,6 @@ class FullyShardedOptimizer(OptimizerSurface):
                     for e in self._engines:
                         e.skip()
                     self._stage = Stage.STEPPED
-                    self.last_update_successful = False
                     self._grad_norms = result.norms(on_host)
                     return result.values(False, on_host)
         gate = device_skip if prep.deferred is None else prep.deferred[0]
@@ -295,10 +309,8 @@ class FullyShardedOptimizer(OptimizerSurface):
             # waits for the stats' host copy, enqueued before the update, not for the update
             result.host = prep.deferred[1]()
         self._grad_norms = result.norms(on_host)
-        if device_skip is not None:
-            self.last_update_successful = None  # decided on the device: see step()'s result
+        if device_skip is not None:  # decided on the device
             return ~device_skip, stats.total_norm, stats.num_zeros
-        self.last_update_successful = True
         return result.values(True, on_host)
 
     # ------------------------------------------------------------------------------------------
