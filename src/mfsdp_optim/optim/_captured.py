@@ -154,8 +154,10 @@ class CapturedStep:
     # ------------------------------------------------------------------------ the bookkeeping
 
     def _replayed(self) -> None:
-        """The host-side effects of the step a replay ran: the stage, the counters, and the scaler's word that its device copy moved on (what its device update
-        says when it runs eagerly: the host fields are stale, copies on other devices too)."""
+        """The host-side effects of the step a replay ran: the stage, the counters, and the
+        scaler's word that its device copy moved on (what its device update says when it runs
+        eagerly: the host fields are stale, copies on other devices too). ``step()`` records
+        the returned values as the last step."""
         w = self.wrapper
         self.counters.replayed()
         w._stage = self.after
