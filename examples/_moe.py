@@ -100,12 +100,21 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
-class LocalExperts(nn.ModuleDict):
-    """The experts this rank's ``ep`` group holds, keyed by their global id."""
+class LocalExperts(nn.Module):
+    """The experts this rank's ``ep`` group holds, as children named by their global id.
 
-    def forward(self, h: torch.Tensor, expert_idx: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    A plain ``nn.Module``, not an ``nn.ModuleDict``: torch 2.11's ``fully_shard`` refuses any
+    ``ModuleDict`` (torch 2.13 only one without a ``forward``). The FQNs are the same either
+    way (``experts.3.fc1.weight``)."""
+
+    def __init__(self, experts: dict[str, nn.Module]):
+        super().__init__()
+        for key, expert in experts.items():
+            self.add_module(key, expert)
+
+    def forward(self, h: torch.Tensor, expert_idx: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(h)
-        for key, expert in self.items():
+        for key, expert in self.named_children():
             sel = (expert_idx == int(key)).nonzero(as_tuple=True)[0]
             # every expert runs, on zero tokens if none were routed to it: its FSDP all-gather
             # and reduce-scatter must happen on every rank of its edp group

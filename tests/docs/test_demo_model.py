@@ -1,4 +1,5 @@
-"""The demo's expert-parallel layer keeps at most one functional collective in flight.
+"""The demo's expert-parallel layer keeps at most one functional collective in flight, and its
+experts are a module that every supported torch's ``fully_shard`` takes.
 
 On gloo (torch 2.13.0+cpu), two functional collectives in flight on one group corrupt the heap:
 a rank later dies of SIGSEGV or a glibc abort (docs/troubleshooting.md, "A CPU rank dies";
@@ -64,3 +65,19 @@ def test_moe_layer_keeps_one_functional_collective_in_flight(ranks):
         assert all(count == 1 for _, count in seen), (rank, seen)
         assert left == 0, (rank, left)
         assert grad_sum > 0.0  # backward went through both collectives' backward passes
+
+
+def test_the_experts_fully_shard_takes_on_every_torch():
+    """torch 2.11's ``fully_shard`` refuses every ``nn.ModuleList`` / ``nn.ModuleDict`` (2.13 only
+    those without a ``forward``), so the module the demo shards per expert group is neither, on
+    any torch; its children keep the global expert ids in the FQNs (checkpoints reshard by them)."""
+    import torch.nn as nn
+
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    import _moe
+
+    layer = _moe.MoE(_moe.ModelConfig(), ep_rank=1, ep_size=2, ep_group=None, seed=0)
+    assert not isinstance(layer.experts, (nn.ModuleList, nn.ModuleDict))
+    names = [n for n, _ in layer.named_parameters() if n.startswith("experts.")]
+    assert names[0] == "experts.2.fc1.weight" and names[-1] == "experts.3.fc2.bias", names
