@@ -2,8 +2,8 @@
 
 Map: ``_write`` trains a stack of ``Linear(4, 4)`` layers under FSDP2 on 2 gloo ranks and saves
 ``{"model", "optimizer"}`` with ``save_checkpoint`` or plain ``dcp.save``; the ``ckpts`` fixture
-writes three (12 layers, the same through ``dcp.save``, 1,000 layers = 2,000 params) once per
-module. Each test checks one CLI behaviour against what the ranks saved (names, shapes, order).
+writes four (12 layers, the same through ``dcp.save``, the same with 4 writer threads, 1,000
+layers = 2,000 params) once per module. Each test checks one CLI behaviour against what the ranks saved (names, shapes, order).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from mfsdp_optim.checkpoint._inspect import main
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "src")
 
 
-def _write(path: str, layers: int, plain: bool) -> dict:
+def _write(path: str, layers: int, plain: bool, threads: int = 1) -> dict:
     """On every rank: train one step, save; returns the model's names and shapes in order."""
     import torch
     import torch.distributed.checkpoint as dcp
@@ -46,7 +46,7 @@ def _write(path: str, layers: int, plain: bool) -> dict:
     if plain:
         dcp.save(state, checkpoint_id=path)
     else:
-        save_checkpoint(state, path)
+        save_checkpoint(state, path, thread_count=threads)
     return {
         "params": [name for name, _ in model.named_parameters()],
         "model": {k: (str(v.dtype).removeprefix("torch."), list(v.shape)) for k, v in msd.items()},
@@ -58,9 +58,14 @@ def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     pool = get_pool(2)
     out = {}
-    for name, layers, plain in (("small", 12, False), ("plain", 12, True), ("big", 1000, False)):
+    for name, layers, plain, threads in (
+        ("small", 12, False, 1),
+        ("plain", 12, True, 1),
+        ("threads", 12, False, 4),
+        ("big", 1000, False, 1),
+    ):
         path = str(root / name)
-        saved = pool.run(_write, path, layers, plain, timeout=300.0)
+        saved = pool.run(_write, path, layers, plain, threads, timeout=300.0)
         assert saved[0] == saved[1]
         out[name] = (path, saved[0])
     out["root"] = root
@@ -88,8 +93,17 @@ def test_model_entries_are_listed(ckpts, capsys):
     assert "    11.bias    float32 4" in out, out
 
 
-def test_params_in_model_order(ckpts, capsys):
-    path, saved = ckpts["small"]
+@pytest.mark.parametrize("name", ["small", "threads", "plain"])
+def test_params_in_model_order(ckpts, capsys, name):
+    """In model order whatever order DCP's writer finished its items in: several writer threads
+    report them as they complete (and on a machine with CUDA, one thread reports them sorted by
+    size); ``.metadata`` lists the keys as ``dcp.save`` does, in the state dict's order."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path, saved = ckpts[name]
+    keys = list(FileSystemReader(path).read_metadata().state_dict_metadata)
+    plain = list(FileSystemReader(ckpts["plain"][0]).read_metadata().state_dict_metadata)
+    assert keys == plain
     code, out, _ = _run(capsys, path, "--json")
     groups = json.loads(out)["optimizers"]["optimizer"]["groups"]
     assert [n for g in groups for n in g["params"]] == saved["params"]  # 0, 1, 2, ..., 10, 11

@@ -144,11 +144,14 @@ def write_files(
     plan = planner.finish_plan(plan)
     results = writer.write_data(plan, planner).wait()
 
-    by_index = {item.index: item for item in plan.items}
+    # in the plan's order (the state dict's), not the writer's: FileSystemWriter reports its
+    # results sorted by size where CUDA is available, and in completion order over several
+    # threads; ``.metadata`` lists keys in this order, and readers show it (the CLI, in model order)
+    result_of = {res.index: res for res in results}
     items: list[tuple] = []
     tensors: dict[str, tuple] = {}
-    for res in results:
-        item = by_index[res.index]
+    for item in plan.items:
+        res = result_of[item.index]
         fqn = item.index.fqn
         if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
             items.append((fqn, None, None, res.storage_data, res.size_in_bytes))
@@ -170,8 +173,9 @@ def write_files(
 
 
 def write_metadata(writer: Any, written: list[Written]) -> None:
-    """Rank 0: DCP's ``.metadata`` for every rank's ``written`` items (chunks in rank order, as
-    DCP's global plan lists them), through ``writer.finish``."""
+    """Rank 0: DCP's ``.metadata`` for every rank's ``written`` items (keys in the order of the
+    ranks' plans, chunks in rank order, as DCP's global plan lists them), through
+    ``writer.finish``."""
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
         ChunkStorageMetadata,
