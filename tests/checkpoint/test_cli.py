@@ -3,7 +3,8 @@
 Map: ``_write`` trains a stack of ``Linear(4, 4)`` layers under FSDP2 on 2 gloo ranks and saves
 ``{"model", "optimizer"}`` with ``save_checkpoint`` or plain ``dcp.save``; the ``ckpts`` fixture
 writes four (12 layers, the same through ``dcp.save``, the same with 4 writer threads, 1,000
-layers = 2,000 params) once per module. Each test checks one CLI behaviour against what the ranks saved (names, shapes, order).
+layers = 2,000 params) once per module. Each test checks one CLI behaviour against what the
+ranks saved (names, shapes, order).
 """
 
 from __future__ import annotations
