@@ -365,7 +365,7 @@ def test_an_index_past_the_optimizers_is_refused_at_construction(ranks):
 # fused AdamW or the Triton update, no host sync under host_sync=False
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 @pytest.mark.parametrize("scope", ["per_optimizer", (1,)], ids=str)
 @pytest.mark.parametrize("host_sync", [True, False])
 @pytest.mark.parametrize("triton", [False, True])
@@ -401,6 +401,7 @@ def test_clip_scope_on_cuda_follows_torch(tmp_path, scope, host_sync, triton):
             OptimizerConfig(
                 clip_grad=0.5, clip_scope=scope, host_sync=host_sync, triton_adam_step=triton
             ),
+            model_chunks=[torch.nn.ParameterList(params)],
         )
         ref_opts = [torch.optim.AdamW(ref[:2], **kw), torch.optim.AdamW(ref[2:], **kw)]
         for step in range(4):
