@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, Phase, settings
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from _cuda_rule import require_cuda_marker  # noqa: E402
 from _ranks import get_pool, shutdown_pools  # noqa: E402
 
 settings.register_profile(
@@ -32,10 +33,14 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the rule sees every collected test
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``cuda`` are skipped without a CUDA device (``-m cuda`` selects them all:
-    ``scripts/gpu_check.sh``)."""
+    """Every test that touches CUDA is marked ``cuda`` (else collection fails: the rule is in
+    ``_cuda_rule.py``); tests marked ``cuda`` are skipped without a CUDA device (``-m cuda``
+    selects them all)."""
     import torch
+
+    require_cuda_marker(items)
 
     if torch.cuda.is_available():
         return
