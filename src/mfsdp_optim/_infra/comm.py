@@ -18,6 +18,7 @@ __all__ = [
     "all_reduce_max",
     "collective_device",
     "staged_for",
+    "to_collective",
 ]
 
 # bytes this process handed to collectives through these helpers, per helper: what a rank
@@ -34,6 +35,18 @@ def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     if "xccl" in backend and hasattr(torch, "xpu") and torch.xpu.is_available():
         return torch.device("xpu", torch.xpu.current_device())
     return torch.device("cpu")
+
+
+def to_collective(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on the collective's ``device``, its values in place before the host goes on.
+
+    A device-to-host ``.to("cpu", non_blocking=True)`` returns a pinned tensor before the copy
+    has run, and a gloo collective reads host memory at once: it would send whatever the
+    recycled pinned block held (a previous step's row), not this step's values. So a copy to
+    the host blocks (it waits for the work that produced ``tensor``: the collective needs its
+    values on the host anyway); a copy to a device stays non-blocking (the stream orders it
+    before the collective that reads it)."""
+    return tensor.to(device, non_blocking=device.type != "cpu")
 
 
 def staged_for(device: torch.device, values: list[float], dtype: torch.dtype) -> torch.Tensor:

@@ -490,8 +490,8 @@ def _segment_contribution(
     if not rows:
         return empty_contribution(device)
     if len(rows) == 1:  # the common case, every grad in one layout: nothing to combine
-        return rows[0].to(device, non_blocking=True)
-    rows = [row.to(device, non_blocking=True) for row in rows]
+        return comm.to_collective(rows[0], device)
+    rows = [comm.to_collective(row, device) for row in rows]
     return combine_contributions(torch.stack(rows), norm_type)
 
 
