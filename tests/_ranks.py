@@ -8,9 +8,10 @@ every rank and gets back each rank's return value, so a hypothesis example costs
 milliseconds of queue traffic plus the real collectives.
 
 Hangs become failures: every task has a deadline; when it passes (or a rank fails and the others
-do not finish within a short grace), every live rank dumps all its thread stacks through
-faulthandler, the pool is torn down, and the test fails with each rank's traceback. The next test
-gets a fresh pool, so one deadlock never poisons the suite.
+do not finish within a short grace), every live rank's thread stacks are dumped by faulthandler
+(``_arm``: its watchdog thread at the task's deadline, SIGUSR1 on demand), the pool is torn down,
+and the test fails with each rank's traceback. The next test gets a fresh pool, so one deadlock
+never poisons the suite.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from queue import Empty
 from typing import Any
@@ -35,7 +36,9 @@ __all__ = ["RankPool", "RankFailure", "get_pool", "join_gloo_group", "shutdown_p
 
 _PG_TIMEOUT_S = float(os.environ.get("MFSDP_TEST_PG_TIMEOUT", "60"))
 _ERROR_GRACE_S = 10.0
+_STORY_WAIT_S = (2.0, 10.0)  # for the watchdog's dump; then for the one SIGUSR1 asks for
 _MAX_LIVE_RANKS = int(os.environ.get("MFSDP_TEST_MAX_LIVE_RANKS", "15"))
+_READY_TIMEOUT_S = 180.0
 
 
 class RankFailure(AssertionError):
@@ -60,13 +63,25 @@ def join_gloo_group(rank: int, world_size: int, init_file: str, timeout_s: float
     )
 
 
+def _arm(stacks, timeout: float) -> None:
+    """A fresh story for the next ``timeout`` seconds: ``stacks`` emptied, faulthandler's
+    watchdog thread set to dump every thread into it at the deadline (no signal involved: it
+    cannot be lost), and SIGUSR1 (re-)registered to dump on demand (an earlier task may have
+    replaced the handler; with the default one, SIGUSR1 would kill the rank before any dump)."""
+    stacks.seek(0)
+    stacks.truncate()
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    faulthandler.dump_traceback_later(timeout, file=stacks)
+
+
 def _worker_main(rank, world_size, init_file, tasks, results, sys_path, stack_file):
     sys.path[:] = sys_path
     # torch warns on every multi-dim full_tensor(); the tests call it on purpose
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     stacks = open(stack_file, "w")  # noqa: SIM115 - lives as long as the worker
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    _arm(stacks, _READY_TIMEOUT_S)
     join_gloo_group(rank, world_size, init_file, _PG_TIMEOUT_S)
+    faulthandler.cancel_dump_traceback_later()
     import torch.distributed as dist
 
     results.put((rank, "ready", None))
@@ -74,7 +89,8 @@ def _worker_main(rank, world_size, init_file, tasks, results, sys_path, stack_fi
         task = tasks.get()
         if task is None:
             break
-        fn, args, kwargs = task
+        fn, args, kwargs, timeout = task
+        _arm(stacks, timeout)
         try:
             value = fn(*args, **kwargs)
             # pickle here, where a failure can still be reported (the queue's feeder thread
@@ -83,6 +99,8 @@ def _worker_main(rank, world_size, init_file, tasks, results, sys_path, stack_fi
             results.put((rank, "ok", payload))
         except BaseException:  # report everything, including assertion errors
             results.put((rank, "error", traceback.format_exc()))
+        finally:
+            faulthandler.cancel_dump_traceback_later()
     dist.destroy_process_group()
 
 
@@ -116,7 +134,7 @@ class RankPool:
         ]
         for proc in self._procs:
             proc.start()
-        self._collect("ready", timeout=180.0)
+        self._collect("ready", timeout=_READY_TIMEOUT_S)
         self.alive = True
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any):
@@ -124,7 +142,7 @@ class RankPool:
         if not self.alive:
             raise RuntimeError("this rank pool was shut down")
         for queue in self._tasks:
-            queue.put((fn, args, kwargs))
+            queue.put((fn, args, kwargs, timeout))
         return self._collect(getattr(fn, "__qualname__", repr(fn)), timeout)
 
     def _collect(self, what: str, timeout: float) -> list[Any]:
@@ -158,7 +176,8 @@ class RankPool:
         if not errors and len(values) == self.world_size:
             return [values[r] for r in range(self.world_size)]
         missing = [r for r in range(self.world_size) if r not in values and r not in errors]
-        stacks = self._dump_stacks(missing)
+        # a rank that raised cut the deadline short: the others' watchdogs have not fired
+        stacks = self._dump_stacks(missing, watchdog_fired=not errors)
         if missing or not all(p.is_alive() for p in self._procs):
             # a rank is stuck (in a collective, probably) or gone: this pool is unusable
             self.shutdown()
@@ -172,19 +191,37 @@ class RankPool:
                 lines.append(f"--- rank {r}: ok")
         raise RankFailure("\n".join(lines))
 
-    def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
-        for r in ranks:
-            if self._procs[r].is_alive() and self._procs[r].pid is not None:
-                os.kill(self._procs[r].pid, signal.SIGUSR1)
-        time.sleep(1.0 if ranks else 0.0)
-        out = {}
-        for r in ranks:
-            try:
-                with open(self._stack_files[r]) as f:
-                    out[r] = f.read()[-6000:]
-            except OSError as exc:
-                out[r] = f"(no stacks: {exc})"
-        return out
+    def _dump_stacks(self, ranks: list[int], watchdog_fired: bool) -> dict[int, str]:
+        """Each of ``ranks``' thread stacks: the dump its watchdog wrote at the task's deadline
+        (``watchdog_fired``: the deadline was reached), or else the one SIGUSR1 asks for (the
+        error grace cut the deadline short, or the watchdog's dump did not come); waited for,
+        not assumed after a fixed sleep."""
+        files = {r: self._stack_files[r] for r in ranks if self._procs[r].is_alive()}
+        wait = _STORY_WAIT_S[0] if watchdog_fired else 0.0
+        if not _wait_for_stories(files.values(), wait):
+            for r in files:
+                pid = self._procs[r].pid
+                if not _story(files[r]) and pid is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGUSR1)
+            _wait_for_stories(files.values(), _STORY_WAIT_S[1])
+        return {r: _story(self._stack_files[r]) or self._no_story(r) for r in ranks}
+
+    def _no_story(self, r: int) -> str:
+        """What is known of a rank that wrote no stacks: alive or its exit code, and the
+        kernel's view of its threads (name and wait channel, where /proc has them)."""
+        proc = self._procs[r]
+        state = "alive" if proc.is_alive() else f"exited, code {proc.exitcode}"
+        lines = [f"(no Python stacks within {sum(_STORY_WAIT_S):.0f} s; the rank is {state})"]
+        task_dir = f"/proc/{proc.pid}/task"
+        with contextlib.suppress(OSError):
+            for tid in sorted(os.listdir(task_dir), key=int):
+                fields = []
+                for name in ("comm", "wchan"):
+                    with contextlib.suppress(OSError), open(f"{task_dir}/{tid}/{name}") as f:
+                        fields.append(f.read().strip())
+                lines.append(f"  thread {tid}: " + " in ".join(fields))
+        return "\n".join(lines)
 
     def shutdown(self) -> None:
         if not getattr(self, "alive", True):
@@ -199,6 +236,34 @@ class RankPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
+
+
+def _story(path: str) -> str:
+    """The stacks dumped into ``path`` during the current task ("" when none, yet)."""
+    try:
+        with open(path) as f:
+            return f.read()[-8000:]
+    except OSError:
+        return ""
+
+
+def _wait_for_stories(paths: Iterable[str], timeout: float) -> bool:
+    """Wait until every file of ``paths`` holds a dump that stopped growing (two polls 50 ms
+    apart with the same size); False when ``timeout`` passed first."""
+    paths = list(paths)
+    deadline = time.monotonic() + timeout
+    last: dict[str, int] = {}
+    while True:
+        sizes = {}
+        for p in paths:
+            with contextlib.suppress(OSError):
+                sizes[p] = os.path.getsize(p)
+        if all(sizes.get(p, 0) > 0 and sizes[p] == last.get(p) for p in paths):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        last = sizes
+        time.sleep(0.05)
 
 
 _POOLS: dict[int, RankPool] = {}

@@ -1,10 +1,14 @@
 """The rank pool itself: a deadlock becomes a failure that shows every rank's stack, and the
-suite carries on with a fresh pool."""
+suite carries on with a fresh pool. The stuck rank's stack comes from faulthandler's watchdog at
+the task's deadline (no signal), or from SIGUSR1 when a rank that raised cut the deadline short;
+a task that replaced the SIGUSR1 handler loses neither."""
 
 from __future__ import annotations
 
+import signal
 import time
 
+import _ranks
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,6 +26,20 @@ def _rank_identity():
     t = torch.ones(1)
     dist.all_reduce(t)
     return dist.get_rank(), int(t)
+
+
+def _rank_hang_without_the_signal_handler():
+    # SIGUSR1 back to its default action, which ends the process: a story that needs the
+    # signal would come back empty, the rank killed
+    if dist.get_rank() == 0:
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    return _rank_mismatched_collective()
+
+
+def _rank_raise_or_hang():
+    if dist.get_rank() == 1:
+        raise RuntimeError("planted failure on rank 1")
+    dist.all_reduce(torch.ones(1))  # rank 1 never joins
 
 
 def _rank_raise_on_one(bad):
@@ -50,3 +68,24 @@ def test_a_raising_rank_is_reported_and_the_pool_survives(ranks):
         pool.run(_rank_raise_on_one, 1)
     assert pool.alive
     assert pool.run(_rank_identity) == [(0, 2), (1, 2)]
+
+
+def test_the_story_does_not_need_the_signal_handler(ranks):
+    with pytest.raises(RankFailure) as info:
+        ranks(2).run(_rank_hang_without_the_signal_handler, timeout=5)
+    message = str(info.value)
+    assert "rank 0: did not finish" in message and "all_reduce" in message, message
+    # the next task re-registers the handler: a fresh pool, the same story
+    with pytest.raises(RankFailure, match="all_reduce"):
+        ranks(2).run(_rank_mismatched_collective, timeout=5)
+
+
+def test_a_rank_that_raised_cuts_the_wait_and_the_others_stories_come_by_signal(ranks, monkeypatch):
+    monkeypatch.setattr(_ranks, "_ERROR_GRACE_S", 2.0)
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        ranks(2).run(_rank_raise_or_hang, timeout=120)  # its watchdog is far away
+    assert time.monotonic() - start < 30
+    message = str(info.value)
+    assert "rank 1: raised" in message and "planted failure on rank 1" in message, message
+    assert "rank 0: did not finish" in message and "all_reduce" in message, message
