@@ -436,6 +436,12 @@ def _kill_worker(rank, world, init_file, root, stage, who):
             handle.wait(timeout=120)
     except BaseException as exc:  # the survivors: record what they saw
         outcome["error"] = f"{type(exc).__name__}: {exc}"[:3000]
+    if who == "all":
+        # the whole job dies at this stage: a rank with no kill point of its own (only rank 0
+        # writes the marker) waits here for the SIGKILL the victim's kill_all brings, instead
+        # of racing it to a clean exit (a fast machine finished first); 3: never killed
+        time.sleep(KILL_PG_TIMEOUT_S + 60)
+        os._exit(3)
     outcome["elapsed_s"] = time.monotonic() - t0
     end_kill_rank(root, rank, outcome)
 
