@@ -1,22 +1,47 @@
 #!/usr/bin/env bash
-# The GPU check: every CUDA test (pytest -m cuda) and a short smoke run of each GPU benchmark,
-# on one CUDA device. Run it before calling an issue that touches a CUDA path resolved, and
-# record its summary (date, card, result) in benchmarks/RESULTS.md.
+# The GPU check: the whole test suite (every test marked cuda, and everything else) and a short
+# smoke run of each GPU benchmark, on one CUDA device. Run it before calling an issue that
+# touches a CUDA path resolved, and record its summary (date, card, result) in
+# benchmarks/RESULTS.md.
 #
 #   scripts/gpu_check.sh                 # from the repository root; or: nox -s gpu
+#   scripts/gpu_check.sh tests           # the whole suite only (a few minutes on an H100)
+#   scripts/gpu_check.sh bench           # the benchmarks' smoke runs only (about 4 minutes)
 #
+# A machine that limits one command to 10 minutes takes `tests` and `bench` as two commands.
 # Needs python3 with torch (CUDA), triton, pytest, hypothesis and pytest-timeout; the package
-# comes from src/ (PYTHONPATH), nothing is installed. Logs and summary.txt go under
-# ${OUT:-gpu_out}. About 4-6 minutes on an H100. Exit status 1 when any step failed.
+# comes from src/ (PYTHONPATH), nothing is installed into python3's environment. Wheels in .whl/
+# at the repository root (pytest, hypothesis, pytest-timeout, ... for an image without them)
+# are installed first into ${MFSDP_WHEEL_SITE:-/tmp/site}, which goes on PYTHONPATH. Logs and
+# summary.txt go under ${OUT:-gpu_out}. Exit status 1 when any step failed.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)  # absolute: the benchmarks run from benchmarks/
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 py=${PYTHON:-python3}
 summary="$out/summary.txt"
 failed=0
+wanted=" ${*:-tests bench} "
+for part in $wanted; do
+    case "$part" in
+    tests | bench) ;;
+    *)
+        echo "gpu_check.sh: unknown part '$part' (expected: tests, bench)" >&2
+        exit 2
+        ;;
+    esac
+done
+
+# wheels carried in .whl/ (an image without pytest and friends): installed beside, not into, the
+# image's python (no index, no dependencies: the folder holds every wheel needed)
+if compgen -G ".whl/*.whl" >/dev/null; then
+    site=${MFSDP_WHEEL_SITE:-/tmp/site}
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" .whl/*.whl || exit 1
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 
 {
     echo "gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
@@ -49,8 +74,22 @@ step() {
     echo "$name: $verdict in $((SECONDS - t0)) s" | tee -a "$summary"
 }
 
-# every test marked cuda (tests/conftest.py skips them without a device; -rs lists skips)
-step tests 300 40 "$py" -m pytest tests -m cuda -rs -q --timeout=120 -p no:cacheprovider
+# the whole suite: the tests marked cuda (collection fails when a test that touches CUDA is
+# not: tests/_cuda_rule.py) and every other test, which runs here too (gloo ranks whose params
+# land on CUDA where a test does not name a device). -rs lists the skips.
+if [[ "$wanted" == *" tests "* ]]; then
+    step tests 540 60 "$py" -m pytest tests -rs -q --timeout=300 -p no:cacheprovider
+    {
+        grep -E "[0-9]+ (passed|failed|errors?|skipped).* in [0-9.]+s" "$out/tests.log" | tail -n 1
+        grep -E "^tests marked cuda:" "$out/tests.log" | tail -n 1  # tests/conftest.py's line
+    } | sed 's/^/  /' | tee -a "$summary"
+fi
+
+if [[ "$wanted" != *" bench "* ]]; then
+    echo "--- summary ($summary)"
+    cat "$summary"
+    exit "$failed"
+fi
 
 # each GPU benchmark, tiny sizes and few iterations (numbers are smoke, not results)
 cd benchmarks

@@ -50,6 +50,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_terminal_summary(terminalreporter):
+    """One line on the tests marked ``cuda`` (the GPU check's summary quotes it)."""
+    counts: dict[str, int] = {}
+    for outcome in ("passed", "failed", "error", "skipped"):
+        for report in terminalreporter.stats.get(outcome, []):
+            if "cuda" in getattr(report, "keywords", {}) and report.when in ("call", "setup"):
+                counts[outcome] = counts.get(outcome, 0) + 1
+    if counts:
+        parts = ", ".join(f"{n} {outcome}" for outcome, n in counts.items())
+        terminalreporter.write_line(f"tests marked cuda: {parts}")
+
+
 @pytest.fixture
 def ranks():
     """``ranks(world_size)`` -> a live RankPool; ``pool.run(fn, *args)`` runs fn on every rank."""
