@@ -17,11 +17,12 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def floor(session: nox.Session) -> None:
-    """The CPU tests on the oldest torch the package accepts (2.11: its PyPI wheel is a CUDA
-    build, about 5 GB with its CUDA libraries, which runs on the CPU too). Not in CI."""
+    """The whole suite on the CPU with the oldest torch the package accepts (2.11: its PyPI
+    wheel is a CUDA build, about 5 GB with its CUDA libraries, which runs on the CPU too), the
+    demo and the docs' pages included. Not in CI."""
     session.install("torch==2.11.0")
     session.install("-e", ".[test]")
-    session.run("python", "-m", "pytest", "tests", "--ignore=tests/docs", *session.posargs)
+    session.run("python", "-m", "pytest", "tests", *session.posargs)
 
 
 @nox.session
@@ -55,9 +56,11 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(python=False)
 def gpu(session: nox.Session) -> None:
-    """Every CUDA test and a short smoke run of each GPU benchmark (``scripts/gpu_check.sh``),
+    """The whole suite (the CUDA tests and every other) and a short smoke run of each GPU
+    benchmark (``scripts/gpu_check.sh``; ``nox -s gpu -- tests`` or ``-- bench`` for one part),
     with the python3 of the machine (torch with CUDA, triton, pytest, hypothesis and
-    pytest-timeout installed; the package from src/). Logs under $OUT or gpu_out/."""
+    pytest-timeout installed, or their wheels in .whl/; the package from src/). Logs under $OUT
+    or gpu_out/."""
     session.run("bash", "scripts/gpu_check.sh", *session.posargs, external=True)
 
 
