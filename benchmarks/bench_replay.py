@@ -13,9 +13,10 @@ a slow spell of a shared host hits them alike; the device drained before each ti
 * ``check``: the validity check alone (``CapturedStep.still_valid``);
 * ``launch`` (CUDA only): the graph's replay alone;
 
-for two versions of the check, in one run: ``before``, the check as it stood before its rewrite
-(grads and the params' local tensors by identity), kept below as ``_Before``, and
-``now``, the package's. ``step - check`` is the part that does not grow with N. On CPU no graph
+for two versions of the check, in one run: ``before``, the check as it stood before its
+one-pass rewrite (main 2cb5d8f: four C-level passes over the params, the grads' addresses by
+torch's C++ loop where the build has it), kept below as ``_Before``, and ``now``, the
+package's (one Python loop reading each param's objects together). ``step - check`` is the part that does not grow with N. On CPU no graph
 exists: the runner replays nothing and hands back the warm-up step's tensors, so ``step`` is
 the host bookkeeping only (what a CUDA replay adds: the launch, CUDA clones).
 
@@ -72,39 +73,33 @@ class _NoLaunch:
 
 
 class _Before(CapturedStep):
-    """The captured step with the validity check as it stood before its rewrite (verbatim) and
-    the lists it compared (the rest of ``inputs()`` is the package's)."""
+    """The captured step with the validity check as it stood before the one-pass rewrite
+    (main 2cb5d8f, verbatim): the same reads, one C-level pass each (grads, the grads' local
+    tensors, the params' local tensors by identity, then the grads' local addresses)."""
 
     def still_valid(self, captured: Inputs) -> bool:
         if not captured.same_head(self.inputs(lists=False)):
             return False
-        lists = iter(captured.lists)
-        for e in self.wrapper._engines:
-            plan = e.preparer.plan
-            if plan is None:
-                continue
-            params, grads, locals_ = next(lists), next(lists), next(lists)
-            if params is not plan.params:
-                return False
-            with torch._C.DisableTorchFunctionSubclass():
-                if not all(map(_is, map(_grad_of, params), grads)):
+        check_all = device_table.check_all_lists()
+        i = 0
+        with torch._C.DisableTorchFunctionSubclass():
+            for e in self.wrapper._engines:
+                plan = e.preparer.plan
+                if plan is None:
+                    continue
+                params, grads, grad_locals, locals_ = captured.lists[4 * i : 4 * i + 4]
+                grad_ptrs, local_ptrs = captured.addresses[2 * i : 2 * i + 2]
+                i += 1
+                if not (
+                    params is plan.params
+                    and all(map(_is, map(_grad_of, params), grads))
+                    and all(map(_is, map(_local_of, grads), grad_locals))
+                    and all(map(_is, map(_local_of, params), locals_))
+                    and device_table.same_addresses(grad_locals, grad_ptrs)
+                    and (not check_all or device_table.same_addresses(locals_, local_ptrs))
+                ):
                     return False
-            if not all(map(_is, map(_local_of, params), locals_)):
-                return False
         return True
-
-    def inputs(self, lists: bool = True) -> Inputs:
-        head = CapturedStep.inputs(self, lists=False)  # the O(groups) part is unchanged
-        if not lists:
-            return head
-        long: list[list[Any]] = []
-        for e in self.wrapper._engines:
-            plan = e.preparer.plan
-            if plan is not None:  # the lists as they were: grads, the params' local tensors
-                with torch._C.DisableTorchFunctionSubclass():
-                    grads = list(map(_grad_of, plan.params))
-                long += [plan.params, grads, list(map(_local_of, plan.params))]
-        return Inputs(head.objects, head.values, long)
 
 
 def _wrapper(cls, count: int, shape: tuple[int, ...], device, mesh) -> FullyShardedOptimizer:

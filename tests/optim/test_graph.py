@@ -373,8 +373,9 @@ def test_nan_lr_is_refused_not_replayed(ranks):
 def _rank_moves_seen(check_all: bool, split: bool):
     """After a steady capture: every way a grad or a param's local tensor can move (a new
     object, a new local tensor, the same local tensor moved in place) fails the check before
-    the replay, and the next step captures again; put back, the check holds again. The moved
-    param is the last one (with ``split``, of the second of two base optimizers)."""
+    the replay, and the next step captures again; put back, the check holds again. Each move
+    is made on the first and on the last param (with ``split``, the last is in the second of
+    two base optimizers)."""
     import os
 
     from torch.distributed.tensor import DTensor
@@ -392,9 +393,8 @@ def _rank_moves_seen(check_all: bool, split: bool):
             wc.step()
         assert cs.graph.captures == 1 and cs.graph.replays == MIN_REPLAYS
         assert len(wc._engines) == (2 if split else 1)
-        p = pc[-1]
 
-        def swap_grad():
+        def swap_grad(p):
             old = p.grad
             p.grad = DTensor.from_local(
                 old._local_tensor.clone(),
@@ -406,9 +406,14 @@ def _rank_moves_seen(check_all: bool, split: bool):
             )
             return lambda: setattr(p, "grad", old)
 
-        def swap_attr(obj, name):
+        def drop_grad(p):
+            old = p.grad
+            p.grad = None
+            return lambda: setattr(p, "grad", old)
+
+        def swap_attr(obj, name, new):
             old = getattr(obj, name)
-            setattr(obj, name, old.clone())
+            setattr(obj, name, new(old))
             return lambda: setattr(obj, name, old)
 
         def move_in_place(t):
@@ -416,25 +421,46 @@ def _rank_moves_seen(check_all: bool, split: bool):
             t.set_(t.clone())  # same object, new memory
             return lambda: t.set_(old, 0, t.shape, t.stride())
 
+        def assign_data(t):
+            old = t.data  # shares t's memory
+            t.data = t.clone()  # same object, its storage replaced
+            return lambda: setattr(t, "data", old)
+
+        def swap_tensors(t):
+            other = t.clone()
+            torch.utils.swap_tensors(t, other)  # same Python object, another tensor inside
+            return lambda: torch.utils.swap_tensors(t, other)
+
+        def same_memory_view(t):  # a new local tensor at the same address (another shape)
+            return lambda old: old.view(-1) if old.dim() != 1 else old.view(1, -1)
+
         moves = {
             "new grad object": swap_grad,
-            "new grad local tensor": lambda: swap_attr(p.grad, "_local_tensor"),
-            "grad local moved in place": lambda: move_in_place(p.grad._local_tensor),
-            "new param local tensor": lambda: swap_attr(p, "_local_tensor"),
+            "grad set to None": drop_grad,
+            "new grad local tensor": lambda p: swap_attr(p.grad, "_local_tensor", torch.clone),
+            "grad local, a view at its address": lambda p: swap_attr(
+                p.grad, "_local_tensor", same_memory_view(p.grad._local_tensor)
+            ),
+            "grad local moved in place": lambda p: move_in_place(p.grad._local_tensor),
+            "grad local's .data assigned": lambda p: assign_data(p.grad._local_tensor),
+            "grad local swapped (swap_tensors)": lambda p: swap_tensors(p.grad._local_tensor),
+            "new param local tensor": lambda p: swap_attr(p, "_local_tensor", torch.clone),
         }
         if check_all:
-            moves["param local moved in place"] = lambda: move_in_place(p._local_tensor)
+            moves["param local moved in place"] = lambda p: move_in_place(p._local_tensor)
+            moves["param local's .data assigned"] = lambda p: assign_data(p._local_tensor)
         seen = {"nothing moved": cs.still_valid(cs.graph.inputs)}
-        for name, move in moves.items():
-            undo = move()
-            seen[name] = cs.still_valid(cs.graph.inputs)
-            undo()
-            seen[f"{name}, put back"] = cs.still_valid(cs.graph.inputs)
+        for where, p in (("first", pc[0]), ("last", pc[-1])):
+            for name, move in moves.items():
+                undo = move(p)
+                seen[f"{name} ({where} param)"] = cs.still_valid(cs.graph.inputs)
+                undo()
+                seen[f"{name} ({where} param), put back"] = cs.still_valid(cs.graph.inputs)
         # through the step: a moved grad local is captured again, not replayed
-        undo = move_in_place(p.grad._local_tensor)
+        undo = move_in_place(pc[-1].grad._local_tensor)
         wc.step()
         undo()
-        return seen, cs.graph.captures, cs.graph.disabled
+        return seen, len(moves), cs.graph.captures, cs.graph.disabled
     finally:
         os.environ.pop(CHECK_ALL_ENV, None)
 
@@ -446,9 +472,9 @@ def _rank_moves_seen(check_all: bool, split: bool):
 )
 def test_every_move_of_a_grad_or_param_forces_a_capture(ranks, check_all, split):
     (out,) = ranks(1).run(_rank_moves_seen, check_all, split)
-    seen, captures, disabled = out
+    seen, moves, captures, disabled = out
     assert seen.pop("nothing moved") is True
     for name, valid in seen.items():
         assert valid is name.endswith("put back"), (name, seen)
-    assert len(seen) == (10 if check_all else 8), seen
+    assert moves == (10 if check_all else 8) and len(seen) == 4 * moves, seen
     assert captures == 2 and disabled is None, (captures, disabled)

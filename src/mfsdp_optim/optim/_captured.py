@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 from operator import attrgetter
-from operator import is_ as _is
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -76,6 +75,25 @@ def check_setup(wrapper: FullyShardedOptimizer) -> torch.device:
             "also for a single process), or pass cuda_graph=False."
         )
     return device
+
+
+def _unmoved(rows: list[tuple[Any, ...]]) -> bool:
+    """Whether, for every ``(param, grad, grad_local, local, ptr)`` row, ``param.grad`` is
+    ``grad``, ``grad._local_tensor`` is ``grad_local`` (the same object: its shape and strides
+    too), ``param._local_tensor`` is ``local`` and ``grad_local`` still starts at ``ptr`` (not
+    moved in place by ``set_``, ``.data =`` or ``torch.utils.swap_tensors``). One Python loop:
+    a param's objects are read together, once (separate passes over tens of thousands of params
+    each miss the CPU caches). The caller disables torch functions of subclasses (``.grad``)."""
+    data_ptr = torch.Tensor.data_ptr
+    for p, g, g_local, local, ptr in rows:
+        if (
+            p.grad is not g
+            or g._local_tensor is not g_local
+            or p._local_tensor is not local
+            or data_ptr(g_local) != ptr
+        ):
+            return False
+    return True
 
 
 class CapturedStep:
@@ -231,35 +249,47 @@ class CapturedStep:
 
     def still_valid(self, captured: Inputs) -> bool:
         """``inputs().same(captured)`` without building the long lists: the O(groups) part
-        first, then per engine one C-level pass each (``map`` over the params, no Python frame
-        per param): every param's grad object, those grads' local tensors and the params'
-        local tensors by identity, then the grads' local addresses (torch's C++ loop where the
-        build has it) and, under ``MFSDP_OPTIM_CHECK_ALL_ADDRESSES``, the params' too: the
-        per-step contract of the eager step's kernel tables."""
+        first, then one pass over the params (``_unmoved``): every param's grad object, that
+        grad's local tensor and the param's local tensor by identity and the grad's local
+        address, each param's objects read together while they are in the CPU caches; under
+        ``MFSDP_OPTIM_CHECK_ALL_ADDRESSES`` the params' local addresses too (the per-step
+        contract of the eager step's kernel tables)."""
         if not captured.same_head(self.inputs(lists=False)):
             return False
+        rows = iter(self._rows_of(captured))
         check_all = check_all_lists()
-        i = 0  # engines with a plan so far: four lists and two address lists each (inputs)
         # reading .grad of a tensor subclass pays a torch-function dispatch unless disabled
         with torch._C.DisableTorchFunctionSubclass():
             for e in self.wrapper._engines:
                 plan = e.preparer.plan
                 if plan is None:  # (also at the capture: the head compared the plan objects)
                     continue
-                params, grads, grad_locals, locals_ = captured.lists[4 * i : 4 * i + 4]
-                grad_ptrs, local_ptrs = captured.addresses[2 * i : 2 * i + 2]
-                i += 1
+                params, table, locals_, local_ptrs = next(rows)
                 if not (
                     params is plan.params
-                    and all(map(_is, map(_grad_of, params), grads))
-                    and all(map(_is, map(_local_of, grads), grad_locals))
-                    and all(map(_is, map(_local_of, params), locals_))
-                    # the same objects, moved in place (set_, a storage swap)
-                    and same_addresses(grad_locals, grad_ptrs)
+                    and _unmoved(table)
                     and (not check_all or same_addresses(locals_, local_ptrs))
                 ):
                     return False
         return True
+
+    def _rows_of(self, captured: Inputs) -> list[tuple[Any, list[tuple[Any, ...]], Any, Any]]:
+        """Per engine with a plan, what ``still_valid`` compares, built once per capture from
+        its ``Inputs``: the captured params list, one row ``(param, grad, grad's local tensor,
+        param's local tensor, grad's local address)`` per param, and the params' local tensors
+        with their addresses. Kept in ``captured.derived`` (it dies with the capture)."""
+        if captured.derived is None:
+            lists, ptrs = captured.lists, captured.addresses
+            captured.derived = [
+                (
+                    lists[4 * i],
+                    list(zip(*lists[4 * i : 4 * i + 4], ptrs[2 * i], strict=True)),
+                    lists[4 * i + 3],
+                    ptrs[2 * i + 1],
+                )
+                for i in range(len(lists) // 4)
+            ]
+        return captured.derived
 
     def inputs(self, lists: bool = True) -> Inputs:
         """What the capture reads (see the module docstring); ``lists``: with every param's

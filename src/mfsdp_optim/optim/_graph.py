@@ -44,9 +44,10 @@ class Inputs:
     ``addresses`` (lists of ints: the ``data_ptr()`` of tensors the graph reads) be equal.
 
     Holding the objects keeps them alive, so an identity match can never name a new object
-    that took a freed one's id (or its memory)."""
+    that took a freed one's id (or its memory). ``derived``: what the owner builds from these
+    inputs once (e.g. the rows of its per-step check), kept here so it dies with them."""
 
-    __slots__ = ("objects", "values", "lists", "addresses")
+    __slots__ = ("objects", "values", "lists", "addresses", "derived")
 
     def __init__(
         self,
@@ -59,6 +60,7 @@ class Inputs:
         self.values = values
         self.lists = list(lists)
         self.addresses = list(addresses)
+        self.derived: Any = None
 
     def same_head(self, other: Inputs) -> bool:
         """``objects`` and ``values`` match (not ``lists``)."""
