@@ -470,3 +470,88 @@ def test_add_param_group_names_and_refusals(ranks):
             got = errors[key]
             assert got is not None and got[0] == kind and re.search(pattern, got[1]), (key, got)
         assert same, "training after refused add_param_group calls differs from torch"
+
+
+def _rank_step_hooks():
+    """The wrapper's step under torch's step-hook contract, against a stock optimizer run the
+    same way: the order the hooks fire in, what they are given, the grad mode they see, a pre
+    hook's new arguments, a bad return, a subclass's own step, the profiler's range."""
+    import torch.distributed as dist
+    from _layouts import get_mesh
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    from mfsdp_optim.optim import FullyShardedOptimizer
+
+    mesh = get_mesh((dist.get_world_size(),))
+
+    class Sub(FullyShardedOptimizer):
+        def step(self, closure=None):  # its own step: torch's wrapper fires the hooks
+            return super().step(closure)
+
+    def make(kind):
+        model = _model(5)
+        if kind == "stock":
+            return model, torch.optim.SGD(model.parameters(), lr=0.1)
+        _shard(model, mesh)
+        cls = Sub if kind == "subclass" else FullyShardedOptimizer
+        return model, cls(torch.optim.SGD(model.parameters(), lr=0.1), model_chunks=[model])
+
+    def trace(kind):
+        model, opt = make(kind)
+        log = []
+
+        def hook(name):
+            def fn(o, args, kwargs):
+                log.append((name, o is opt, args[0] is opt, len(args), sorted(kwargs)))
+                log.append(("grad mode", torch.is_grad_enabled()))
+                if name == "own pre" and len(log) > 9:  # from the second step on: a closure
+                    return args, {"closure": lambda: log.append(("closure", True))}
+                return None
+
+            return fn
+
+        opt._optimizer_step_code = lambda: log.append(("profiler probe", True))
+        handles = [
+            register_optimizer_step_pre_hook(hook("global pre")),
+            register_optimizer_step_post_hook(hook("global post")),
+            opt.register_step_pre_hook(hook("own pre")),
+            opt.register_step_post_hook(hook("own post")),
+        ]
+        try:
+            for step in range(2):
+                model(_batch(step)).sum().backward()
+                opt.step()
+                log.append(("after", torch.is_grad_enabled()))
+                opt.zero_grad()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                opt.step()
+            ranges = {e.key for e in prof.key_averages() if e.key.startswith("Optimizer.step#")}
+            opt.register_step_pre_hook(lambda *a: 5)
+            try:
+                opt.step()
+                bad = None
+            except RuntimeError as exc:
+                bad = "new_args, new_kwargs" in str(exc)
+        finally:
+            for h in handles:
+                h.remove()
+        return log, ranges, bad, type(opt).__name__
+
+    out = {kind: trace(kind) for kind in ("stock", "wrapper", "subclass")}
+    return {k: (log, ranges, bad, name) for k, (log, ranges, bad, name) in out.items()}
+
+
+def test_step_hooks_fire_as_torch_fires_them(ranks):
+    (out,) = ranks(1).run(_rank_step_hooks)
+    stock_log, stock_ranges, stock_bad, _ = out["stock"]
+    assert stock_ranges == {"Optimizer.step#SGD.step"} and stock_bad is True
+    assert ("closure", True) in stock_log
+    for kind in ("wrapper", "subclass"):
+        log, ranges, bad, name = out[kind]
+        assert log == stock_log, (kind, log, stock_log)
+        # (the base optimizer's own step, run inside, has its range too)
+        assert f"Optimizer.step#{name}.step" in ranges, (kind, ranges)
+        assert bad is True, kind

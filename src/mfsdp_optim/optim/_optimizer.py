@@ -23,7 +23,7 @@ from . import _checkpointing
 from ._config import OptimizerConfig
 from ._grad_scaler import GradScaler
 from ._prepared import Prepared, StepResult, clip_norms, prepare, stats_of
-from ._surface import OptimizerSurface
+from ._surface import OptimizerSurface, with_step_hooks
 
 __all__ = ["FullyShardedOptimizer", "OptimizerConfig", "Stage"]
 
@@ -248,7 +248,7 @@ class FullyShardedOptimizer(OptimizerSurface):
             return torch.ones((), dtype=torch.float32)
         return self.grad_scaler.scale
 
-    @torch.no_grad()
+    @with_step_hooks
     def step(self, closure: Callable[[], Any] | None = None):  # type: ignore[override]
         """One training step: prepare the grads, clip, and run the base optimizers' steps.
 
@@ -274,11 +274,16 @@ class FullyShardedOptimizer(OptimizerSurface):
                 "with step_with_ready_grads() (or zero_grad() to drop them)."
             )
         if self._captured is not None and self.config.cuda_graph:
-            out = self._captured.run(self._step_body)
+            out = self._captured.run(self._no_grad_body)  # a replay records no autograd op
         else:
-            out = self._step_body()
+            out = self._no_grad_body()
         self.last_update_successful, self.last_grad_norm, self.last_num_zeros = out
         return out
+
+    @torch.no_grad()
+    def _no_grad_body(self) -> tuple[Any, Any, Any]:
+        """``_step_body`` with grad mode off (the eager step, and what is captured)."""
+        return self._step_body()
 
     def _step_body(self) -> tuple[Any, Any, Any]:
         """``step()`` after its closure and stage checks: what a captured step captures."""
