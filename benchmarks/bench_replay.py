@@ -13,25 +13,31 @@ a slow spell of a shared host hits them alike; the device drained before each ti
 * ``check``: the validity check alone (``CapturedStep.still_valid``);
 * ``launch`` (CUDA only): the graph's replay alone;
 
-for two versions of the check, in one run: ``before``, the check as it stood before its
-one-pass rewrite (main 2cb5d8f: four C-level passes over the params, the grads' addresses by
-torch's C++ loop where the build has it), kept below as ``_Before``, and ``now``, the
-package's (one Python loop reading each param's objects together). ``step - check`` is the part that does not grow with N. On CPU no graph
-exists: the runner replays nothing and hands back the warm-up step's tensors, so ``step`` is
-the host bookkeeping only (what a CUDA replay adds: the launch, CUDA clones).
+for these contenders, in one run: ``before``, the check as it stood before its one-pass
+rewrite (main 2cb5d8f: four C-level passes over the params, the grads' addresses by torch's C++
+loop where the build has it), kept below as ``_Before``; ``now``, the package's (one Python
+loop reading each param's objects together); with ``--compare``, ``prev``, the whole step of
+another copy of the package (e.g. the previous main, renamed: its step wrapper too); with
+``--native``, the per-param check compiled as C++ (an evaluation of what compiled code would
+cost, not the package's). ``step - check`` is the part that does not grow with N. On CPU no
+graph exists: the runner replays nothing and hands back the warm-up step's tensors, so ``step``
+is the host bookkeeping only (what a CUDA replay adds: the launch, CUDA clones).
 
     python benchmarks/bench_replay.py                        # CPU: the host bookkeeping
     python benchmarks/bench_replay.py --device cuda          # with the CUDA graph
     python benchmarks/bench_replay.py --counts 300,3000 --iters 50
+    python benchmarks/bench_replay.py --compare mfsdp_prev=/tmp/prev --native  # beside main
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import statistics
 import tempfile
 import time
+import types
 from operator import attrgetter
 from operator import is_ as _is
 from typing import Any
@@ -41,7 +47,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from mfsdp_optim import FullyShardedOptimizer, OptimizerConfig
+import mfsdp_optim
 from mfsdp_optim._infra import device_table
 from mfsdp_optim.optim._captured import CapturedStep
 from mfsdp_optim.optim._graph import Inputs
@@ -102,7 +108,79 @@ class _Before(CapturedStep):
         return True
 
 
-def _wrapper(cls, count: int, shape: tuple[int, ...], device, mesh) -> FullyShardedOptimizer:
+_NATIVE_SRC = r"""
+#include <torch/extension.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <structmember.h>
+
+// The one-pass check of CapturedStep._unmoved in C++ (evaluation only): for every i,
+// params[i].grad is grads[i], grads[i]._local_tensor is gls[i], params[i]._local_tensor is
+// pls[i], gls[i] starts at ptrs[i]. descr: DTensor's _local_tensor slot (its offset).
+bool unmoved(py::list params, py::list grads, py::list gls, py::list pls, at::Tensor ptrs,
+             py::handle descr) {
+  const Py_ssize_t off = reinterpret_cast<PyMemberDescrObject*>(descr.ptr())->d_member->offset;
+  const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
+  const int64_t* want = ptrs.data_ptr<int64_t>();
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* p = PyList_GET_ITEM(params.ptr(), i);
+    PyObject* g = PyList_GET_ITEM(grads.ptr(), i);
+    const at::Tensor& grad = THPVariable_Unpack(p).grad();
+    if (!grad.defined() ||
+        grad.unsafeGetTensorImpl() != THPVariable_Unpack(g).unsafeGetTensorImpl())
+      return false;
+    PyObject* gl = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(g) + off);
+    PyObject* pl = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(p) + off);
+    if (gl != PyList_GET_ITEM(gls.ptr(), i) || pl != PyList_GET_ITEM(pls.ptr(), i)) return false;
+    if (reinterpret_cast<int64_t>(THPVariable_Unpack(gl).const_data_ptr()) != want[i])
+      return false;
+  }
+  return true;
+}
+"""
+
+
+def _native_module() -> Any:
+    """The C++ check above, built with torch.utils.cpp_extension (needs a C++ compiler and
+    ninja; about 20 s the first time, then cached)."""
+    from torch.utils.cpp_extension import load_inline
+
+    if not isinstance(DTensor.__dict__.get("_local_tensor"), types.MemberDescriptorType):
+        raise RuntimeError("DTensor._local_tensor is not a slot in this torch")
+    return load_inline("mfsdp_bench_native_check", cpp_sources=[_NATIVE_SRC], functions=["unmoved"])
+
+
+class _Native(CapturedStep):
+    """The captured step with the per-param part of the check in compiled code (``--native``:
+    what a C++ loop would cost, for comparison; not the package's)."""
+
+    module: Any = None
+
+    def still_valid(self, captured: Inputs) -> bool:
+        if not captured.same_head(self.inputs(lists=False)):
+            return False
+        memo = getattr(self, "_memo", None)
+        if memo is None or memo[0] is not captured:
+            ptrs = [torch.tensor(a, dtype=torch.int64) for a in captured.addresses[::2]]
+            memo = self._memo = (captured, ptrs)
+        descr = DTensor.__dict__["_local_tensor"]
+        i = 0
+        for e in self.wrapper._engines:
+            plan = e.preparer.plan
+            if plan is None:
+                continue
+            params, grads, grad_locals, locals_ = captured.lists[4 * i : 4 * i + 4]
+            if params is not plan.params or not self.module.unmoved(
+                params, grads, grad_locals, locals_, memo[1][i], descr
+            ):
+                return False
+            i += 1
+        return True
+
+
+def _wrapper(pkg, cls, count: int, shape: tuple[int, ...], device, mesh) -> Any:
+    """A wrapper of package ``pkg`` (mfsdp_optim or the ``--compare`` copy) whose captured
+    step is ``cls``, captured and replayed twice."""
+    FullyShardedOptimizer, OptimizerConfig = pkg.FullyShardedOptimizer, pkg.OptimizerConfig
     gen = torch.Generator(device=device).manual_seed(0)
 
     def dt(scale: float) -> DTensor:
@@ -136,6 +214,18 @@ def main() -> None:
     ap.add_argument("--shape", default="4x4")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument(
+        "--compare",
+        default="",
+        help="also time the whole step of another copy of the package (e.g. the previous main, "
+        "renamed): 'module' or 'module=PATH'; its rows are 'prev'",
+    )
+    ap.add_argument(
+        "--native",
+        action="store_true",
+        help="also time the per-param check compiled as C++ (torch.utils.cpp_extension: a "
+        "compiler and ninja; an evaluation, not the package's code); its rows are 'native'",
+    )
+    ap.add_argument(
         "--clock",
         choices=("wall", "thread"),
         default="wall",
@@ -162,9 +252,24 @@ def main() -> None:
         f"({args.clock} clock); "
         f"address check: {helper}"
     )
+    contenders: dict[str, tuple[Any, Any]] = {}
+    if args.compare:
+        from _compare import import_other
+
+        prev = import_other(args.compare)
+        captured = importlib.import_module(f"{prev.__name__}.optim._captured")
+        contenders["prev"] = (prev, captured.CapturedStep)
+    contenders["before"] = (mfsdp_optim, _Before)
+    contenders["now"] = (mfsdp_optim, CapturedStep)
+    if args.native:
+        _Native.module = _native_module()
+        contenders["native"] = (mfsdp_optim, _Native)
+    base = "prev" if "prev" in contenders else "before"
     for count in (int(c) for c in args.counts.split(",")):
-        wrappers = {"before": _wrapper(_Before, count, shape, device, mesh)}
-        wrappers["now"] = _wrapper(CapturedStep, count, shape, device, mesh)
+        wrappers = {
+            name: _wrapper(pkg, cls, count, shape, device, mesh)
+            for name, (pkg, cls) in contenders.items()
+        }
         calls: dict[str, Any] = {}
         for name, w in wrappers.items():
             cs = w._captured
@@ -190,17 +295,22 @@ def main() -> None:
         for kind in ("step", "check", "launch"):
             if f"now {kind}" not in med:
                 continue
-            b, n = med[f"before {kind}"], med[f"now {kind}"]
-            print(
-                f"N={count:>6} {kind:>6}: before {b * 1e3:8.3f} ms "
-                f"({b / count * 1e9:6.1f} ns/tensor), now {n * 1e3:8.3f} ms "
-                f"({n / count * 1e9:6.1f} ns/tensor), now/before {n / b:.2f}"
+            cells = ", ".join(
+                f"{name} {med[f'{name} {kind}'] * 1e3:.3f} ms "
+                f"({med[f'{name} {kind}'] / count * 1e9:.1f} ns/tensor)"
+                for name in wrappers
             )
-        fixed = {k: med[f"{k} step"] - med[f"{k} check"] for k in wrappers}
-        print(
-            f"N={count:>6} step - check (the part flat in N): before {fixed['before'] * 1e3:.3f}"
-            f" ms, now {fixed['now'] * 1e3:.3f} ms"
+            ratios = ", ".join(
+                f"{name}/{base} {med[f'{name} {kind}'] / med[f'{base} {kind}']:.2f}"
+                for name in wrappers
+                if name != base
+            )
+            print(f"N={count:>6} {kind:>6}: {cells} | {ratios}")
+        fixed = ", ".join(
+            f"{name} {(med[f'{name} step'] - med[f'{name} check']) * 1e3:.3f} ms"
+            for name in wrappers
         )
+        print(f"N={count:>6} step - check (the part flat in N): {fixed}")
         del wrappers, calls
     dist.destroy_process_group()
 
