@@ -370,20 +370,25 @@ def test_nan_lr_is_refused_not_replayed(ranks):
         assert captures == 1 and replays == 2, (captures, replays)
 
 
-def _rank_moves_seen(check_all: bool, split: bool):
+def _rank_moves_seen(check_all: bool, split: bool, chunk: int | None = None):
     """After a steady capture: every way a grad or a param's local tensor can move (a new
     object, a new local tensor, the same local tensor moved in place) fails the check before
     the replay, and the next step captures again; put back, the check holds again. Each move
     is made on the first and on the last param (with ``split``, the last is in the second of
-    two base optimizers)."""
+    two base optimizers; with ``chunk``, the check's chunks hold that many params)."""
     import os
 
     from torch.distributed.tensor import DTensor
 
     from mfsdp_optim._infra.device_table import CHECK_ALL_ENV
 
+    from mfsdp_optim.optim import _captured
+
     if check_all:
         os.environ[CHECK_ALL_ENV] = "1"
+    old_chunk = _captured._CHUNK
+    if chunk is not None:
+        _captured._CHUNK = chunk
     try:
         mesh, [(wc, pc), _] = _pair(torch.optim.AdamW, dict(lr=LR, fused=True), split=split)
         cs = wc._captured
@@ -463,15 +468,16 @@ def _rank_moves_seen(check_all: bool, split: bool):
         return seen, len(moves), cs.graph.captures, cs.graph.disabled
     finally:
         os.environ.pop(CHECK_ALL_ENV, None)
+        _captured._CHUNK = old_chunk
 
 
 @pytest.mark.parametrize(
-    "check_all, split",
-    [(False, False), (True, False), (False, True)],
-    ids=["default", "check-all-addresses", "two-base-optimizers"],
+    "check_all, split, chunk",
+    [(False, False, None), (True, False, None), (False, True, None), (False, False, 2)],
+    ids=["default", "check-all-addresses", "two-base-optimizers", "chunks-of-2"],
 )
-def test_every_move_of_a_grad_or_param_forces_a_capture(ranks, check_all, split):
-    (out,) = ranks(1).run(_rank_moves_seen, check_all, split)
+def test_every_move_of_a_grad_or_param_forces_a_capture(ranks, check_all, split, chunk):
+    (out,) = ranks(1).run(_rank_moves_seen, check_all, split, chunk)
     seen, moves, captures, disabled = out
     assert seen.pop("nothing moved") is True
     # every move not seen, and every put-back not accepted (each is caught by one comparison)
