@@ -381,7 +381,6 @@ def _rank_moves_seen(check_all: bool, split: bool, chunk: int | None = None):
     from torch.distributed.tensor import DTensor
 
     from mfsdp_optim._infra.device_table import CHECK_ALL_ENV
-
     from mfsdp_optim.optim import _captured
 
     if check_all:

@@ -315,7 +315,8 @@ def with_step_hooks(step: Callable[..., Any]) -> Callable[..., Any]:
 
 def _run_hooked(step: Callable[..., Any], opt: Any, args: tuple, kwargs: dict) -> Any:
     """The pre hooks, ``step``, the profiler's probe and the post hooks (``with_step_hooks``)."""
-    global_pre, own_pre = _torch_optim._global_optimizer_pre_hooks, opt._optimizer_step_pre_hooks
+    global_pre = _torch_optim._global_optimizer_pre_hooks
+    own_pre = opt._optimizer_step_pre_hooks
     if global_pre or own_pre:
         for pre_hook in chain(global_pre.values(), own_pre.values()):
             result = pre_hook(opt, args, kwargs)
@@ -328,7 +329,8 @@ def _run_hooked(step: Callable[..., Any], opt: Any, args: tuple, kwargs: dict) -
                 args, kwargs = result
     out = step(*args, **kwargs)
     opt._optimizer_step_code()
-    own_post, global_post = opt._optimizer_step_post_hooks, _torch_optim._global_optimizer_post_hooks
+    own_post = opt._optimizer_step_post_hooks
+    global_post = _torch_optim._global_optimizer_post_hooks
     if own_post or global_post:
         for post_hook in chain(own_post.values(), global_post.values()):
             post_hook(opt, args, kwargs)
