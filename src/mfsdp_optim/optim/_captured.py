@@ -13,10 +13,9 @@ memory, asks ``_graph.StepGraph`` what to do with this step, then
 
 ``inputs()`` lists what a capture reads (checked before every replay): the params, their grads
 and both kinds of local tensor (O(params): identity and addresses, in chunks that stay in the
-CPU cache), the optimizer's state
-mapping, groups and the hyperparameters baked into the graph, the fast step's caches and Triton
-tables, the scaler's device tensors and the config. Construction refuses what can never be
-captured (``check_setup``).
+CPU cache), the optimizer's state mapping, groups and the hyperparameters baked into the graph,
+the fast step's caches and Triton tables, the scaler's device tensors and the config.
+Construction refuses what can never be captured (``check_setup``).
 Why and what a training loop must do: docs/concepts.md, "The captured step".
 """
 
