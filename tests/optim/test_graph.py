@@ -484,3 +484,27 @@ def test_every_move_of_a_grad_or_param_forces_a_capture(ranks, check_all, split,
     assert not missed, missed
     assert moves == (10 if check_all else 8) and len(seen) == 4 * moves, seen
     assert captures == 2 and disabled is None, (captures, disabled)
+
+
+def _rank_dropped_capture_frees_grads():
+    """What the pre-replay check builds once per capture (its chunks) dies with the capture: a
+    dropped capture keeps no grad alive once the training loop lets go of it."""
+    import gc
+    import weakref
+
+    mesh, [(wc, pc), _] = _pair(torch.optim.AdamW, dict(lr=LR, fused=True))
+    gen = torch.Generator().manual_seed(0)
+    _set_grads(pc, [torch.randn(s, generator=gen) for s in SHAPES], mesh, in_place=True)
+    for _ in range(1 + MIN_REPLAYS):
+        wc.step()
+    cs = wc._captured
+    held = cs.still_valid(cs.graph.inputs)  # (builds the chunks)
+    grad, local = weakref.ref(pc[-1].grad), weakref.ref(pc[-1].grad._local_tensor)
+    cs.graph.drop()
+    wc.zero_grad(set_to_none=True)
+    gc.collect()
+    return held, grad() is None, local() is None
+
+
+def test_a_dropped_capture_keeps_no_grad_alive(ranks):
+    assert ranks(1).run(_rank_dropped_capture_frees_grads) == [(True, True, True)]
