@@ -79,13 +79,14 @@ def assert_close(got, want, rtol: float, what: str) -> None:
     """``got`` equals ``want`` (numbers, lists of them, or dicts of tensors) within ``rtol``
     relative to the largest magnitude in ``want`` (per tensor); ``rtol=0``: bit for bit."""
     if isinstance(want, dict):
-        assert got.keys() == want.keys(), (what, got.keys(), want.keys())
+        assert want and got.keys() == want.keys(), (what, got.keys(), want.keys())
         for k in want:
             assert_close(got[k], want[k], rtol, f"{what}[{k}]")
         return
     g = torch.as_tensor(got, dtype=torch.float64)
     w = torch.as_tensor(want, dtype=torch.float64)
     assert g.shape == w.shape, (what, g.shape, w.shape)
+    assert w.numel() > 0, f"{what}: nothing to compare"
     if rtol == 0:
         assert torch.equal(g, w), f"{what}: not bit for bit: {(g - w).abs().max()}"
         return

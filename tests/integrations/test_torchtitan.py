@@ -30,7 +30,7 @@ from _frameworks import assert_close, batch, brute_norm, full_params, make_model
 
 pytestmark = pytest.mark.timeout(300)
 
-STEPS, MAX_NORM, LR = 4, 1.0, 1e-2
+STEPS, MAX_NORM, LR = 4, 1.0, 5e-2
 
 
 def _shard(model):
@@ -201,6 +201,7 @@ def _rank_compare(folder: str, max_norm: float):
 
 
 def _check_pair(stock, ours, rtol):
+    assert len(stock["losses"]) == len(ours["norms"]) == len(ours["brute"]) == STEPS
     assert stock["clip_calls"] == STEPS and ours["clip_calls"] == 0
     assert_close(ours["losses"], stock["losses"], rtol, "losses")
     assert_close(ours["params"], stock["params"], rtol, "params")
@@ -214,8 +215,8 @@ def test_trains_like_stock_torchtitan(ranks, max_norm, rtol):
     need("torchtitan.trainer")
     with tempfile.TemporaryDirectory() as folder:
         for stock, ours in ranks(2).run(_rank_compare, folder, max_norm, timeout=240):
-            if max_norm == MAX_NORM:  # the clip fires: what users of max_norm=1.0 get
-                assert max(stock["norms"]) > MAX_NORM
+            if max_norm == MAX_NORM:  # what users of max_norm=1.0 get: some steps clip
+                assert max(stock["norms"]) > MAX_NORM > min(stock["norms"])
             _check_pair(stock, ours, rtol)
 
 
