@@ -44,7 +44,7 @@ class FullyShardedTrainer(_Trainer):
 
         def __post_init__(self) -> None:
             _Trainer.Config.__post_init__(self)
-            self.optimizer = _clip_by_max_norm(self.optimizer, self.training.max_norm)
+            _hand_max_norm_to_wrapper(self)
 
     def train_step(self, data_iterator: Iterator[Any]) -> None:
         """torchtitan's ``train_step``, its clip done by the optimizers' step.
@@ -54,6 +54,11 @@ class FullyShardedTrainer(_Trainer):
         """
         with _clip_in_step(self.optimizers):
             super().train_step(data_iterator)
+
+
+def _hand_max_norm_to_wrapper(config: Any) -> None:
+    """``config.optimizer`` becomes a copy whose ``clip_grad`` is ``training.max_norm``."""
+    config.optimizer = _clip_by_max_norm(config.optimizer, config.training.max_norm)
 
 
 def _clip_by_max_norm(optimizer: Any, max_norm: float) -> Any:
