@@ -30,12 +30,9 @@ class FullyShardedTrainer(_Trainer):
     clips; the container's wrapper clips once, to ``training.max_norm``, and the norm the
     metrics log is the wrapper's pre-clip global norm.
 
-    ``Config`` takes the same fields as ``Trainer.Config``; its ``optimizer`` must be a
-    ``FullyShardedOptimizersContainer.Config`` (its ``clip_grad`` is set to
-    ``training.max_norm``).
-
-    Args:
-        config: The trainer's config.
+    Built as ``Trainer`` is, from its ``Config``: the same fields as ``Trainer.Config``; its
+    ``optimizer`` must be a ``FullyShardedOptimizersContainer.Config`` (its ``clip_grad`` is set
+    to ``training.max_norm``).
     """
 
     @dataclasses.dataclass(kw_only=True, slots=True)
