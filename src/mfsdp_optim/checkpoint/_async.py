@@ -22,13 +22,13 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent import futures
 from concurrent.futures import Future
-from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from .._infra.agreement import Failure
+from .._infra.comm import group_timeout
 
 __all__ = ["SaveHandle", "background_group", "settle", "stage", "start"]
 
@@ -122,23 +122,13 @@ def settle() -> Failure | None:
     )
 
 
-def _timeout_of(group: dist.ProcessGroup | None) -> timedelta | None:
-    pg = group if group is not None else dist.group.WORLD
-    for device in ("cpu", "cuda"):
-        try:
-            return pg._get_backend(torch.device(device)).options._timeout  # type: ignore[union-attr]
-        except Exception:  # noqa: S112 - this backend has no such option, try the next
-            continue
-    return None
-
-
 def background_group(group: dist.ProcessGroup | None, ranks: list[int]) -> dist.ProcessGroup:
     """A gloo group of ``ranks`` (the saving group's), with its timeout, made the first time
     (every rank of the group calls this at the same point of ``save_checkpoint``)."""
     key = tuple(ranks)
     pg = _GROUPS.get(key)
     if pg is None:
-        timeout = _timeout_of(group)
+        timeout = group_timeout(group)
         kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
         pg = dist.new_group(ranks, backend="gloo", use_local_synchronization=True, **kwargs)
         _GROUPS[key] = pg
