@@ -9,7 +9,9 @@ class) sends its host values through a host-side group and must step the same bi
 
 from __future__ import annotations
 
+import functools
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -78,3 +80,292 @@ def test_a_broken_update_is_noticed_without_host_sync():
         get_pool(2).run(
             _rank_train_on_device, LAYOUTS["1d-uneven-empty-2"][1], "Muon", break_it=True
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# faults on some ranks (the failing rank kept alive): Muon refuses on the device, the generic
+# path raises on every rank through its host-side group; nothing changes anywhere, no hang
+
+
+def _rank_fault_on_device(opt_name, layout, fault, bad, fault_step):
+    """``test_reliability_whole``'s faulty step under a ``DeviceVerdict``: clean steps, the
+    faulty one, a clean one after it. Returns the faulty step's ``[outcome, message, seconds,
+    verdict (None where it raised), what changed if refused]`` and the clean steps' verdicts."""
+    from _layouts import build_grad
+    from test_reliability_whole import _inject, _snapshot, _unchanged
+
+    from mfsdp_optim._infra.agreement import RankFailedError
+    from mfsdp_optim.optim._whole import DeviceVerdict, step_whole_params
+
+    _, specs = LAYOUTS[layout]
+    cls, kw = OPTIMIZERS[opt_name]
+    params = [torch.nn.Parameter(build_grad(_param_spec(s))) for s in specs]
+    opt = cls(params, **kw)
+    plan, outcome, clean = None, None, []
+    for step in range(fault_step + 2):
+        for p, s in zip(params, specs, strict=True):
+            p.grad = build_grad(_grad_spec(s, step), check=False).to(p.dtype)
+        verdict = DeviceVerdict(torch.device("cpu"))
+        if step != fault_step:
+            plan = step_whole_params(opt, params, plan_cache=plan, verdict=verdict)
+            clean.append(bool(verdict.bad))
+            continue
+        before = _snapshot(opt, params)
+        undo = _inject(fault, opt_name, opt, params, bad)
+        t0 = time.monotonic()
+        try:
+            plan = step_whole_params(opt, params, plan_cache=plan, verdict=verdict)
+            outcome = ["ok", "", time.monotonic() - t0, bool(verdict.bad)]
+        except Exception as exc:
+            name = "RankFailedError" if isinstance(exc, RankFailedError) else type(exc).__name__
+            outcome = [name, str(exc), time.monotonic() - t0, None]
+        finally:
+            undo()
+        refused = outcome[0] != "ok" or outcome[3]
+        outcome.append(_unchanged(before, _snapshot(opt, params)) if refused else [])
+    return outcome, clean
+
+
+def _check_on_device(out, fault, bad, world):
+    """Muon at a steady step: the failing ranks raise their own error, every other rank returns
+    with the verdict set; nothing changed anywhere; the next step is clean everywhere."""
+    from test_reliability_whole import DEADLINE_S
+
+    outcomes = [o for o, _ in out]
+    assert all(c == [False] * len(c) for _, c in out), out  # the clean steps, before and after
+    raised = {r for r, o in enumerate(outcomes) if o[0] != "ok"}
+    refused = bool(raised) or any(o[3] for o in outcomes)
+    if fault == "grad_none" and len(bad) == world:  # no grad anywhere: skipped, as stock does
+        assert not refused, outcomes
+        return
+    if fault in ("grad_layout", "grad_shape", "hyper", "state"):  # each faulty rank finds it
+        assert raised == set(bad), (raised, bad, outcomes)
+    elif fault == "compute":  # the faulty ranks that own a matrix
+        assert raised <= set(bad), (raised, bad, outcomes)
+    else:  # a grad None on some holders only: found by the owners, on the device
+        assert not raised, outcomes
+    if fault != "compute" or raised:
+        assert refused, outcomes
+    for r, (name, message, seconds, verdict, diffs) in enumerate(outcomes):
+        assert seconds < DEADLINE_S, (r, seconds)
+        assert not diffs, f"rank {r} changed {diffs} on a refused step"
+        if r not in raised:
+            assert name == "ok" and verdict == refused, (r, outcomes)
+        else:
+            assert name not in ("ok", "RankFailedError"), (r, name, message)
+
+
+DEVICE_CASES = [  # Muon at a steady step: a fault before the agreement, in the pre-work before
+    # the first exchange, at the owner between the exchanges; one and several failing ranks
+    ("Muon", "dense-plus-experts", "grad_layout", (1,)),
+    ("Muon", "hsdp-2x2", "grad_shape", (2,)),
+    ("Muon", "dense-plus-experts", "hyper", (0, 3)),
+    ("MuonPlain", "2d-shard-shard", "hyper", (1,)),
+    ("Muon", "2d-shard-shard", "state", (3,)),
+    ("Muon", "dense-plus-experts", "grad_none", (1,)),
+    ("Muon", "strided", "grad_none", (0, 1, 2, 3)),
+    ("Muon", "1d-uneven-empty-4", "compute", (0, 1, 2, 3)),
+    ("Muon", "hsdp-2x2", "compute", (1,)),
+]
+
+
+@pytest.mark.parametrize("case", DEVICE_CASES, ids=["-".join(map(str, c)) for c in DEVICE_CASES])
+def test_muon_fault_refused_on_the_device_nothing_changed(case):
+    from test_reliability_whole import RUN_S
+
+    opt_name, layout, fault, bad = case
+    world = LAYOUTS[layout][0]
+    out = get_pool(world).run(_rank_fault_on_device, opt_name, layout, fault, bad, 1, timeout=RUN_S)
+    _check_on_device(out, fault, bad, world)
+    if fault == "compute" and len(bad) == world:  # some rank owns a matrix: it must bite
+        assert any(o[0] != "ok" for o, _ in out), out
+
+
+HOSTED_CASES = [  # the generic path, and Muon at the step that builds its plan: every rank raises
+    ("Adafactor", "dense-plus-experts", "hyper", (2,), 1),
+    ("Adafactor", "hsdp-2x2", "grad_none", (0,), 1),
+    ("Adafactor", "strided", "compute", (1,), 1),
+    ("NormalizedSGD", "dense-plus-experts", "compute", (3,), 0),
+    ("NormalizedSGD", "2d-shard-shard", "state", (1, 2), 1),
+    ("Muon", "dense-plus-experts", "grad_layout", (1,), 0),
+    ("Muon", "hsdp-2x2", "compute", (0, 1, 2, 3), 0),
+]
+
+
+@pytest.mark.parametrize("case", HOSTED_CASES, ids=["-".join(map(str, c)) for c in HOSTED_CASES])
+def test_hosted_fault_refused_on_every_rank(case):
+    from test_reliability_whole import RUN_S, _check
+
+    opt_name, layout, fault, bad, fault_step = case
+    world = LAYOUTS[layout][0]
+    out = get_pool(world).run(
+        _rank_fault_on_device, opt_name, layout, fault, bad, fault_step, timeout=RUN_S
+    )
+    assert all(c == [False] * len(c) for _, c in out), out
+    _check([o[:3] + o[4:] for o, _ in out], opt_name, fault, bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# through the wrapper: Muon + fused AdamW, host_sync=True and False side by side
+
+
+INF_STEPS = {2, 3}
+
+
+def _pair(params_of, host_sync, scaler=True):
+    from test_reliability_whole import _holder
+
+    from mfsdp_optim import DynamicGradScaler, FullyShardedOptimizer, OptimizerConfig
+
+    params = params_of()
+    muon = torch.optim.Muon(params[:3], lr=0.02, weight_decay=0.1)
+    adamw = torch.optim.AdamW(params[3:], lr=0.01, weight_decay=0.1, fused=True)
+    return params, FullyShardedOptimizer(
+        [muon, adamw],
+        OptimizerConfig(clip_grad=0.5, log_num_zeros_in_grad=True, host_sync=host_sync),
+        grad_scaler=DynamicGradScaler(
+            2.0**10, growth_factor=1.5, backoff_factor=0.3, growth_interval=2, hysteresis=1
+        )
+        if scaler
+        else None,
+        model_chunks=[_holder(params)],
+    )
+
+
+def _set_grads(opt, params, specs, step, inf_rank=None):
+    from _layouts import build_grad
+    from torch.distributed.tensor import DTensor
+
+    for p, s in zip(params, specs, strict=True):
+        g = build_grad(_grad_spec(s, step), check=False)
+        local = g._local_tensor * (opt.grad_scaler.scale_on("cpu") if opt.grad_scaler else 1)
+        if inf_rank is not None and local.numel():
+            local.view(-1)[0] = float("inf")
+        p.grad = DTensor.from_local(
+            local, g.device_mesh, g.placements, run_check=False, shape=g.shape, stride=g.stride()
+        )
+
+
+def _rank_wrapper_pair(scaler):
+    import torch.distributed as dist
+    from test_reliability_whole import _chain_params
+
+    specs, _ = _chain_params()
+    pairs = [_pair(lambda: _chain_params()[1], h, scaler) for h in (True, False)]
+    reads, oks = [], []
+    for step in range(6):
+        inf = dist.get_rank() == 1 and step in INF_STEPS and scaler
+        for params, opt in pairs:
+            _set_grads(opt, params, specs, step, 1 if inf else None)
+        host = pairs[0][1].step()
+        counter = CountHostReads()
+        with counter:
+            dev = pairs[1][1].step()
+        reads.append(len(counter.reads))
+        assert isinstance(dev[0], torch.Tensor) and isinstance(dev[1], torch.Tensor)
+        assert bool(dev[0]) == host[0] and int(dev[2]) == host[2], (step, dev, host)
+        assert float(dev[1]) == host[1] or (host[1] != host[1] and float(dev[1]) != float(dev[1]))
+        oks.append(host[0])
+        (pa, oa), (pb, ob) = pairs
+        for a, b in zip(pa, pb, strict=True):
+            assert torch.equal(a._local_tensor, b._local_tensor), step
+        for base_a, base_b in zip(oa.optimizers, ob.optimizers, strict=True):
+            mine, theirs = base_a.param_groups[0]["params"], base_b.param_groups[0]["params"]
+            for a, b in zip(mine, theirs, strict=True):
+                sa, sb = base_a.state.get(a, {}), base_b.state.get(b, {})
+                assert set(sa) == set(sb), (step, set(sa), set(sb))
+                for k in sa:
+                    va, vb = sa[k], sb[k]
+                    va = getattr(va, "_local_tensor", va)
+                    vb = getattr(vb, "_local_tensor", vb)
+                    assert torch.equal(va, vb), (step, k)
+        if scaler:
+            assert oa.grad_scaler.state_dict() == ob.grad_scaler.state_dict(), step
+        for _, opt in pairs:
+            opt.zero_grad()
+    return reads, oks
+
+
+@pytest.mark.parametrize("scaler", [True, False], ids=["scaler", "no-scaler"])
+def test_muon_and_adamw_without_host_sync_same_trajectory_no_host_read(scaler):
+    for reads, oks in get_pool(4).run(_rank_wrapper_pair, scaler):
+        assert oks == [not (scaler and s in INF_STEPS) for s in range(6)], oks
+        assert reads[1:] == [0] * 5, reads  # the first step builds Muon's plan
+
+
+def _rank_wrapper_fault(fault, bad):
+    """Muon + fused AdamW under host_sync=False, a fault on ``bad`` at step 2: (per step:
+    outcome, ok, norm is NaN, what changed on a refused step)."""
+    import torch.distributed as dist
+    from test_reliability_whole import _chain_params, _snapshot, _unchanged
+
+    import mfsdp_optim.optim._whole._muon as muon_module
+
+    specs, _ = _chain_params()
+    params, opt = _pair(lambda: _chain_params()[1], False, scaler=False)
+    out = []
+    for step in range(5):
+        _set_grads(opt, params, specs, step)
+        before = [_snapshot(o, o.param_groups[0]["params"]) for o in opt.optimizers]
+        undo = lambda: None  # noqa: E731
+        if step == 2 and dist.get_rank() in bad:
+            if fault == "hyper":
+                group = opt.optimizers[0].param_groups[0]
+                group["ns_steps"] = 100
+                undo = functools.partial(group.__setitem__, "ns_steps", 5)
+            elif fault == "compute":
+                real = muon_module._zeropower_via_newtonschulz
+
+                def broken(*args, **kwargs):
+                    raise RuntimeError("Newton-Schulz failed on purpose")
+
+                muon_module._zeropower_via_newtonschulz = broken
+                undo = functools.partial(setattr, muon_module, "_zeropower_via_newtonschulz", real)
+        if step == 3 and fault == "invalidate" and dist.get_rank() in bad:
+            opt.invalidate_caches()  # on some ranks only: refused until every rank does
+        if step == 4 and fault == "invalidate":
+            opt.invalidate_caches()
+        t0 = time.monotonic()
+        try:
+            ok, norm, _ = opt.step()
+            row = ["ok", bool(ok), bool(norm.isnan())]
+        except Exception as exc:
+            row = [type(exc).__name__ + ": " + str(exc), None, None]
+        finally:
+            undo()
+        row.append(time.monotonic() - t0)
+        after = [_snapshot(o, o.param_groups[0]["params"]) for o in opt.optimizers]
+        changed = [d for b, a in zip(before, after, strict=True) for d in _unchanged(b, a)]
+        row.append(changed if row[1] is not True else [])
+        out.append(row)
+        opt.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize(
+    "fault, bad", [("hyper", (1,)), ("compute", (0, 1, 2, 3)), ("invalidate", (2,))]
+)
+def test_muon_fault_through_the_wrapper_refuses_every_update(fault, bad):
+    from test_reliability_whole import DEADLINE_S, RUN_S
+
+    out = get_pool(4).run(_rank_wrapper_fault, fault, bad, timeout=RUN_S)
+    refused_at = {"hyper": {2}, "compute": {2}, "invalidate": {3}}[fault]
+    for r, rows in enumerate(out):
+        for step, (outcome, ok, nan, seconds, changed) in enumerate(rows):
+            assert seconds < DEADLINE_S, (r, step, seconds)
+            if step not in refused_at:
+                assert outcome == "ok" and ok and not nan, (r, step, rows[step])
+                continue
+            assert not changed, (r, step, changed)  # neither Muon nor the AdamW after it
+            if outcome == "ok":
+                assert ok is False and nan, (r, step, rows[step])
+            elif fault == "hyper":
+                assert r in bad and "ns_steps" in outcome, (r, outcome)
+            elif fault == "invalidate":
+                assert r in bad and "RankMismatchError" in outcome, (r, outcome)
+                assert "invalidate_caches() on every rank" in outcome, outcome
+    raised = [r for r, rows in enumerate(out) for s in refused_at if rows[s][0] != "ok"]
+    if fault in ("hyper", "invalidate"):
+        assert sorted(raised) == list(bad), out
+    else:
+        assert raised, out  # the owners raise, the other ranks are refused on the device
