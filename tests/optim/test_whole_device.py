@@ -232,7 +232,10 @@ def _pair(params_of, host_sync, scaler=True):
     )
 
 
-def _set_grads(opt, params, specs, step, inf_rank=None):
+def _set_grads(opt, params, specs, step, inf_rank=None, in_place=False):
+    """Each param's grad of ``step`` (times the loss scale), an inf planted where ``inf_rank``;
+    ``in_place``: written into the grads of the last step (what FSDP2 does after
+    ``zero_grad(set_to_none=False)``)."""
     from _layouts import build_grad
     from torch.distributed.tensor import DTensor
 
@@ -241,6 +244,9 @@ def _set_grads(opt, params, specs, step, inf_rank=None):
         local = g._local_tensor * (opt.grad_scaler.scale_on("cpu") if opt.grad_scaler else 1)
         if inf_rank is not None and local.numel():
             local.view(-1)[0] = float("inf")
+        if in_place and p.grad is not None:
+            p.grad._local_tensor.copy_(local)
+            continue
         p.grad = DTensor.from_local(
             local, g.device_mesh, g.placements, run_check=False, shape=g.shape, stride=g.stride()
         )
@@ -369,3 +375,73 @@ def test_muon_fault_through_the_wrapper_refuses_every_update(fault, bad):
         assert sorted(raised) == list(bad), out
     else:
         assert raised, out  # the owners raise, the other ranks are refused on the device
+
+
+# ---------------------------------------------------------------------------------------------
+# the captured step's decisions with Muon (CapturedStep with an EagerRunner, on CPU ranks)
+
+
+def _rank_captured_muon(muon_lr_change_at):
+    """Muon + fused AdamW: one wrapper through CapturedStep(EagerRunner), one plain
+    host_sync=False wrapper, the same grads; AdamW's lr changes every step, Muon's once at
+    ``muon_lr_change_at``, an inf on rank 1 at step 4. Returns (after each step: captures so
+    far or "eager", replays, disabled reason)."""
+    import torch.distributed as dist
+    from test_reliability_whole import _chain_params
+
+    from mfsdp_optim import OptimizerConfig
+    from mfsdp_optim.optim._captured import CapturedStep
+    from mfsdp_optim.optim._graph import EagerRunner
+
+    specs, _ = _chain_params()
+    (pc, wc), (pe, we) = [_pair(lambda: _chain_params()[1], False, scaler=True) for _ in "ce"]
+    wc.config = OptimizerConfig(
+        clip_grad=0.5, log_num_zeros_in_grad=True, host_sync=False, cuda_graph=True
+    )
+    wc._captured = CapturedStep(wc, runner=EagerRunner())
+    history = []
+    for step in range(8):
+        for params, w in ((pc, wc), (pe, we)):
+            inf = 1 if step == 4 and dist.get_rank() == 1 else None  # skipped on the device
+            _set_grads(w, params, specs, step, inf, in_place=True)
+            w.optimizers[1].param_groups[0]["lr"] = 2.0**-7 * (1 + step % 3)  # float32-exact
+            if step == muon_lr_change_at:
+                w.optimizers[0].param_groups[0]["lr"] = 0.03
+        rc, re_ = wc.step(), we.step()
+        assert bool(rc[0]) == bool(re_[0]) == (step != 4), step
+        assert torch.equal(rc[1], re_[1]) or (rc[1].isnan() and re_[1].isnan()), step
+        for a, b in zip(pc, pe, strict=True):
+            assert torch.equal(a._local_tensor, b._local_tensor), step
+        for oa, ob in zip(wc.optimizers, we.optimizers, strict=True):
+            for a, b in zip(
+                oa.param_groups[0]["params"], ob.param_groups[0]["params"], strict=True
+            ):
+                for k, v in oa.state[a].items():
+                    w_ = ob.state[b][k]
+                    assert torch.equal(
+                        getattr(v, "_local_tensor", v), getattr(w_, "_local_tensor", w_)
+                    )
+        graph = wc._captured.graph
+        history.append("eager" if graph.disabled else graph.captures)
+        for w in (wc, we):
+            w.zero_grad(set_to_none=False)
+    return history, graph.replays, graph.disabled
+
+
+def test_captured_step_takes_muon_and_adamw():
+    for history, replays, disabled in get_pool(4).run(_rank_captured_muon, None):
+        # step 0 builds Muon's plan (blocked once), step 1 warms up and captures, then replays
+        assert history == [0, 1, 1, 1, 1, 1, 1, 1] and replays == 6 and disabled is None, (
+            history,
+            replays,
+            disabled,
+        )
+
+
+def test_a_muon_lr_change_captures_again():
+    for history, replays, disabled in get_pool(4).run(_rank_captured_muon, 5):
+        assert history == [0, 1, 1, 1, 1, 2, 2, 2] and replays == 2 and disabled is None, (
+            history,
+            replays,
+            disabled,
+        )

@@ -23,6 +23,7 @@ __all__ = [
     "all_to_all_objects",
     "collective_device",
     "device_constant",
+    "device_constants",
     "group_timeout",
     "host_group_of",
     "staged_for",
@@ -74,6 +75,12 @@ def device_constant(
         host = staged_for(device, list(values), dtype)
         cached = _CONSTANTS[key] = host.to(device, non_blocking=True)
     return cached
+
+
+def device_constants() -> list[torch.Tensor]:
+    """Every constant ``device_constant`` holds now (a captured graph that reads some keeps
+    them alive with this list, whatever the cache drops later)."""
+    return list(_CONSTANTS.values())
 
 
 def group_timeout(group: dist.ProcessGroup | None) -> timedelta | None:
