@@ -316,6 +316,8 @@ class Engine:
                 raise
             verdict.fail(exc)  # raised by the wrapper once the other engines ran
             self._whole_error = exc
+            if verdict.plan is not None:  # built at this step: its peers keep it too
+                self.whole_plan = verdict.plan
         finally:
             for s in swapped:
                 s.param.grad = s.saved_grad

@@ -155,9 +155,12 @@ def step_whole_params(
     nothing changed (their caller reports it). The generic path: the protocol above with its
     agreement, headers and status words on a gloo group of the same ranks (made at its first
     such step), raising on every rank. A step that builds the plan (the first, or after the
-    params or caches changed) reads the agreement on the host; a rank that rebuilds alone while
+    params or caches changed) reads the agreement on the host (a failure found before it
+    raises on every rank), then steps Muon on the device; a rank that rebuilds alone while
     its peers keep their plan takes part in their Muon exchanges with filler (from the plan it
-    dropped) and raises ``RankMismatchError``, the peers' step is refused on the device.
+    dropped) and raises ``RankMismatchError``, the peers' step is refused on the device. A rank
+    that raises under ``verdict`` finds the plan its step ran with in ``verdict.plan`` (its
+    peers return it): pass that as ``plan_cache`` next.
     """
     where = _positions(optimizer)
     recipe = recipe_for(optimizer)
@@ -185,6 +188,7 @@ def step_whole_params(
         assert verdict is not None
         steady = _agree_on_device(error, recipe, token, rebuild, plan_cache, group, verdict)
         if steady:  # no host read: the plan is the one every rank agreed on when it was built
+            verdict.plan = plan_cache
             groups = [optimizer.param_groups[where[id(p)][0]] for p in params]
             muon_step(optimizer, params, groups, plan_cache, group, batched_ns, verdict)  # type: ignore[arg-type]
             return plan_cache  # type: ignore[return-value]
@@ -201,9 +205,11 @@ def step_whole_params(
     else:
         plan = plan_cache  # type: ignore[assignment]
     group_index = [where[id(p)][0] for p in params]
-    if recipe == "muon":  # (device mode: a step that built its plan settles on the host)
+    if recipe == "muon":  # device mode: agreed on the host, then stepped on the device
+        if verdict is not None:
+            verdict.plan = plan
         groups = [optimizer.param_groups[gi] for gi in group_index]
-        muon_step(optimizer, params, groups, plan, group, batched=batched_ns)
+        muon_step(optimizer, params, groups, plan, group, batched_ns, verdict)
     else:
         host = host_group if verdict is not None else None
         generic_step(optimizer, params, group_index, plan, group, host=host)

@@ -15,6 +15,7 @@ at this step (which reads the host anyway).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,9 @@ class DeviceVerdict:
         self.device = device
         self.skip = skip
         self.error: BaseException | None = None  # this rank's own failure, raised last
+        # the plan the step ran with: a rank that raises keeps it too (its peers, which return,
+        # keep theirs; a plan built at this step would otherwise be rebuilt on that rank alone)
+        self.plan: Any = None
         self._bad = torch.zeros((), dtype=torch.bool, device=device)  # a fill: no copy
 
     @property
