@@ -8,8 +8,8 @@ for its copies, so a preparation running on another thread (``_async.prepare``) 
 buffer twice nor replaces one that is being copied into.
 
 Why page-locked by registering, not through torch's pinned allocator: the caching host
-allocator rounds every block up to a power of two (the Llama-1B set's 8.9 GiB of AdamW state
-would lock 16 GiB) and keeps freed blocks cached, while a pageable tensor of exactly the size,
+allocator rounds every block up to a power of two (a 9 GiB state would lock 16 GiB) and keeps
+freed blocks cached, while a pageable tensor of exactly the size,
 locked with ``cudaHostRegister`` (as torch's own ``StateDictStager`` does), holds one copy of
 the state and nothing more. Device-to-host copies into it run asynchronously like copies into
 pinned memory (torch sees registered memory as pinned).
