@@ -27,6 +27,7 @@ __all__ = [
     "group_timeout",
     "host_group_of",
     "staged_for",
+    "uploaded",
 ]
 
 # bytes this process handed to collectives through these helpers, per helper: what a rank
@@ -54,6 +55,14 @@ def staged_for(device: torch.device, values: Sequence[float], dtype: torch.dtype
     return host.pin_memory() if device.type == "cuda" else host
 
 
+def uploaded(device: torch.device, values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
+    """``values`` as a new 1-D ``dtype`` tensor on ``device``, copied from pinned memory without
+    a sync (``staged_for``); an empty one is made there, with no copy."""
+    if not len(values):
+        return torch.empty(0, dtype=dtype, device=device)
+    return staged_for(device, values, dtype).to(device, non_blocking=True)
+
+
 _CONSTANTS: dict[tuple, torch.Tensor] = {}
 _CONSTANTS_SIZE = 256
 
@@ -72,8 +81,7 @@ def device_constant(
     if cached is None:
         if len(_CONSTANTS) >= _CONSTANTS_SIZE:
             _CONSTANTS.clear()
-        host = staged_for(device, list(values), dtype)
-        cached = _CONSTANTS[key] = host.to(device, non_blocking=True)
+        cached = _CONSTANTS[key] = uploaded(device, list(values), dtype)
     return cached
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..._infra.agreement import Wording, agree
-from ..._infra.comm import all_to_all_objects, collective_device, staged_for
+from ..._infra.comm import all_to_all_objects, collective_device, uploaded
 from ._plan import STATUS_BYTES
 from ._verdict import DeviceVerdict
 
@@ -172,8 +172,7 @@ def _word_positions(
                 if n:
                     positions.extend(range(at, at + STATUS_BYTES))
                 at += n
-            host = staged_for(device, positions, torch.int64)
-            indices.append(host.to(device, non_blocking=True))
+            indices.append(uploaded(device, positions, torch.int64))
         cached = cache[key] = (sizes, indices[0], indices[1])
     return cached[1], cached[2]
 

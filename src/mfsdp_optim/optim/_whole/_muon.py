@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from torch.optim.optimizer import _to_scalar
 
-from ..._infra.comm import collective_device, staged_for
+from ..._infra.comm import collective_device, uploaded
 from ..._infra.placement import in_layout_of
 from ._checks import partial_grad_message
 from ._exchange import Outbox, Part, exchange, exchange_on_device, settle, view_as
@@ -344,7 +344,7 @@ class _MuonStep:
                 if us
                 for j in range(flag_bytes(len(us)))
             ]
-            plan.slot[key] = staged_for(device, at, torch.int64).to(device, non_blocking=True)
+            plan.slot[key] = uploaded(device, at, torch.int64)
         pattern = tuple(
             b
             for us in inward.to_owner
@@ -353,7 +353,7 @@ class _MuonStep:
         )
         cached = plan.slot.get(("muon_heads", plan.digest))
         if cached is None or cached[0] != pattern:
-            values = staged_for(device, list(pattern), U8).to(device, non_blocking=True)
+            values = uploaded(device, list(pattern), U8)
             cached = plan.slot[("muon_heads", plan.digest)] = (pattern, values)
         return plan.slot[key], cached[1]
 
@@ -375,8 +375,8 @@ class _MuonStep:
             key = ("muon_expected", self.plan.digest)
             cached = self.plan.slot.get(key)
             if cached is None or cached[0] != expected:
-                values = staged_for(self.device, list(expected), U8)
-                cached = self.plan.slot[key] = (expected, values.to(self.device, non_blocking=True))
+                values = uploaded(self.device, list(expected), U8)
+                cached = self.plan.slot[key] = (expected, values)
             self.verdict.fold((torch.cat(firsts) != cached[1]).any())
             return offsets
         got = torch.cat(firsts).cpu().tolist()  # every peer's flags: ONE read
