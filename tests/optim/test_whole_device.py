@@ -21,11 +21,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _ranks import get_pool  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 from test_host_sync import CountHostReads  # noqa: E402
 from test_whole_param import (  # noqa: E402
     LAYOUTS,
     OPTIMIZERS,
     _assert_like_reference,
+    _cases,
     _grad_spec,
     _param_spec,
 )
@@ -464,3 +467,39 @@ def test_a_muon_lr_change_captures_again():
             replays,
             disabled,
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# hypothesis: drawn layouts and shapes (test_whole_param's strategy), drawn faults
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(_cases())
+def test_hypothesis_shapes_and_layouts_without_host_sync(case):
+    world, opt_name, specs = case
+    for reads, bads in get_pool(world).run(_rank_train_on_device, specs, opt_name, steps=2):
+        assert bads == [False, False], bads
+        if opt_name == "Muon":
+            assert reads[1:] == [0], reads
+
+
+@st.composite
+def _device_faults(draw):
+    opt_name = draw(st.sampled_from(["Muon", "MuonPlain"]))
+    layout = draw(st.sampled_from(sorted(LAYOUTS)))
+    world = LAYOUTS[layout][0]
+    fault = draw(st.sampled_from(["grad_layout", "grad_shape", "hyper", "state", "grad_none"]))
+    fault = draw(st.sampled_from([fault, "compute"]))
+    bad = tuple(sorted(draw(st.sets(st.integers(0, world - 1), min_size=1))))
+    return opt_name, layout, fault, bad
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(_device_faults())
+def test_hypothesis_muon_faults_on_the_device(case):
+    from test_reliability_whole import RUN_S
+
+    opt_name, layout, fault, bad = case
+    world = LAYOUTS[layout][0]
+    out = get_pool(world).run(_rank_fault_on_device, opt_name, layout, fault, bad, 1, timeout=RUN_S)
+    _check_on_device(out, fault, bad, world)
