@@ -166,8 +166,10 @@ def test_a_failed_preparation_leaves_the_save_to_make_its_buffers(tmp_path, monk
 def _rank_prepared_on_some_ranks(root):
     """Rank 0 prepares, rank 1 does not: the preparation itself is local (no collective; the
     state dict it reads is built on every rank), and the saves of both are the usual ones."""
-    from mfsdp_optim.checkpoint import _host_buffers
+    from mfsdp_optim.checkpoint import _async, _host_buffers
 
+    _async.settle()  # this pool process may keep buffers of an earlier test's saves
+    _host_buffers.release()
     m = _trained()
     sd = _state(m)  # built on every rank (the build agrees on the keyspace)
     if dist.get_rank() == 0:
