@@ -60,7 +60,7 @@ class FullyShardedOptimizer(OptimizerSurface):
 
     Attributes:
         last_update_successful: What the last ``step()`` returned first (None before one): for
-            trainers that discard ``step()``'s return value (docs/trainers.md). A 0-d device
+            trainers that discard ``step()``'s return value. A 0-d device
             bool under ``OptimizerConfig(host_sync=False)``, like the return value.
         last_grad_norm: The last ``step()``'s pre-clip global grad norm (float, or a 0-d
             float32 device tensor under ``host_sync=False``).
