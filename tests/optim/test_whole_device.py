@@ -24,6 +24,7 @@ from _ranks import get_pool  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from test_host_sync import CountHostReads  # noqa: E402
+from test_reliability_whole import REPLICA_CASES  # noqa: E402
 from test_whole_param import (  # noqa: E402
     LAYOUTS,
     OPTIMIZERS,
@@ -218,6 +219,30 @@ def test_hosted_fault_refused_on_every_rank(case):
     )
     assert all(c == [False] * len(c) for _, c in out), out
     _check([o[:3] + o[4:] for o, _ in out], opt_name, fault, bad)
+
+
+HOSTED_REPLICA_CASES = [  # test_reliability_whole's replica faults on the hosted path (its
+    # packing faults patch the device path's packer: here a header that does not pickle)
+    c
+    for c in REPLICA_CASES
+    if c[2] not in ("pack_in", "pack_out")
+]
+
+
+@pytest.mark.parametrize(
+    "case",
+    HOSTED_REPLICA_CASES,
+    ids=["-".join([c[0], c[1], c[2], "+".join(c[3])]) for c in HOSTED_REPLICA_CASES],
+)
+def test_hosted_replica_fault_refused_on_every_rank(case):
+    """A receiver, the owner or a member of a unit over the replicas fails (before the
+    agreement, before the first exchange, at the owner between the exchanges, a group value
+    that does not pickle during the second): every rank raises, nothing changed."""
+    from test_reliability_whole import RUN_S, _check_replica, _rank_replica_fault
+
+    opt_name, layout, fault, roles = case
+    out = get_pool(4).run(_rank_replica_fault, opt_name, layout, fault, roles, True, timeout=RUN_S)
+    _check_replica(out, fault)
 
 
 # ---------------------------------------------------------------------------------------------
