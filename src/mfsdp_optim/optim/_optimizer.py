@@ -180,13 +180,21 @@ class FullyShardedOptimizer(OptimizerSurface):
 
     def _run_engines(
         self, clip_norms: Sequence[torch.Tensor | None] | None, gate: torch.Tensor | None
-    ) -> None:
+    ) -> torch.Tensor | None:
         """Every engine's base step (clipped to ``config.clip_grad`` by its entry of
         ``clip_norms``; None: unclipped), then stage STEPPED even if one raises; ``gate``: skip
-        on the device where it is 1."""
+        on the device where it is 1.
+
+        Under ``host_sync=False`` a whole-param update that keeps its verdict on the device
+        (Muon) returns it instead of raising: every later engine that skips on the device is
+        gated on it too, and a failure of this rank's own is raised once every engine ran, as
+        its peers, which cannot know of it, run them. Returns the verdicts (a 0-d bool: some
+        update was refused on every rank), or None where there were none."""
         clip = self.config.clip_grad
         pending = list(self._engines)
         norms = list(clip_norms) if clip_norms is not None else [None] * len(pending)
+        refused: torch.Tensor | None = None
+        own: BaseException | None = None
         try:
             while pending:
                 clip_norm = norms[len(norms) - len(pending)]
@@ -198,11 +206,22 @@ class FullyShardedOptimizer(OptimizerSurface):
                         e.clip_folds += 1
                     else:
                         scale_by_clip_coef_(e.preparer.work_locals, clip, clip_norm)
-                e.step(divisor, gate)
+                engine_gate = gate
+                if refused is not None and e.skips_on_device():
+                    flag = refused.to(torch.float32)
+                    engine_gate = flag if gate is None else torch.maximum(gate, flag)
+                e.step(divisor, engine_gate)
+                bad, error = e.take_verdict()
+                if bad is not None:
+                    refused = bad if refused is None else refused | bad
+                own = own or error
         finally:
             for e in pending:  # not stepped (an earlier engine raised): restore their grads
                 e.skip()
             self._stage = Stage.STEPPED
+        if own is not None:
+            raise own
+        return refused
 
     def get_grad_norm(self) -> float:
         """The global ``config.norm_type`` norm of the current grads (one collective)."""
@@ -304,15 +323,19 @@ class FullyShardedOptimizer(OptimizerSurface):
         gate = device_skip if prep.deferred is None else prep.deferred[0]
         cfg = self.config
         clipped = clip_norms(prep.seg, cfg.clip_scope, cfg.norm_type) if cfg.clip_grad > 0 else None
-        self._run_engines(clipped, None if gate is None else gate.to(torch.float32))
+        refused = self._run_engines(clipped, None if gate is None else gate.to(torch.float32))
         if prep.deferred is not None:
             # the collective's verdict (raises on every rank if one failed) and the values: it
             # waits for the stats' host copy, enqueued before the update, not for the update
             result.host = prep.deferred[1]()
         self._grad_norms = result.norms(on_host)
         if device_skip is not None:  # decided on the device
-            return ~device_skip, stats.total_norm, stats.num_zeros
-        return result.values(True, on_host)
+            out = (~device_skip, stats.total_norm, stats.num_zeros)
+        else:
+            out = result.values(True, on_host)
+        if refused is not None:  # a whole-param update refused on the device, on every rank
+            out = (out[0] & ~refused, torch.where(refused, torch.nan, out[1]), out[2])
+        return out
 
     # ------------------------------------------------------------------------------------------
     # checkpoints and grad scaler state
