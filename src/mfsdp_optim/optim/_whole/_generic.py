@@ -358,10 +358,12 @@ def _eps1_dtype(with_grad: list[torch.Tensor], foreach: bool) -> torch.dtype | N
         return None
     if not foreach:
         return with_grad[0].dtype
-    local = [p._local_tensor if isinstance(p, DTensor) else p for p in with_grad]
+    local: list[torch.Tensor | None] = [
+        p._local_tensor if isinstance(p, DTensor) else p for p in with_grad
+    ]
     buckets = torch.optim.Optimizer._group_tensors_by_device_and_dtype([local])
     _, dtype = next(iter(buckets))
-    return dtype if dtype is not None else local[0].dtype
+    return dtype if dtype is not None else with_grad[0].dtype
 
 
 def _same_value(a: object, b: object) -> bool:
