@@ -53,5 +53,5 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in CHECKPOINT_ERRORS:
-        return getattr(importlib.import_module("mfsdp_optim.checkpoint"), name)
+        return getattr(importlib.import_module(".checkpoint", __package__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
