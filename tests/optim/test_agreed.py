@@ -666,3 +666,43 @@ def test_rank_dependent_keys_is_checked():
         OptimizerConfig(rank_dependent_keys=["lr", 3])
     with pytest.raises(ValueError, match="names 'params'"):
         OptimizerConfig(rank_dependent_keys=["params"])
+
+
+# ---------------------------------------------------------------------------------------------
+# the captured step's bookkeeping reads the digest buffer; a changed lr reaches it
+
+
+def _rank_captured_buffer():
+    """``cuda_graph=True`` on CPU through an ``EagerRunner`` (the body runs again at each
+    replay): a NaN written into the digest buffer makes the replayed verdict fail (NaN differs
+    from itself), so the update is skipped, until a changed lr uploads a new digest over it."""
+    specs = OPTIMIZER_LAYOUTS["1d-uneven-empty"]
+    params = [torch.nn.Parameter(_spec_param(s, i)) for i, s in enumerate(specs)]
+    w = _wrapper("captured", params)
+    out = []
+    for step in range(6):
+        _set_grads(params, specs, step)
+        before = [_local(p).clone() for p in params]
+        if step == 2:
+            w._agreement.buffer[0] = float("nan")
+        if step == 4:
+            w.param_groups[0]["lr"] = 5e-3
+        ok, norm, _ = w.step()
+        moved = not all(torch.equal(a, _local(p)) for a, p in zip(before, params, strict=True))
+        out.append((bool(ok), math.isfinite(float(norm)), moved))
+    graph = w._captured.graph
+    holds = any(_local(p).numel() for p in params)  # the layout leaves rank 3 empty shards
+    return out, graph.captures, graph.replays, holds
+
+
+def _spec_param(spec, seed):
+    from _layouts import build_grad
+
+    return build_grad(dataclasses.replace(spec, seed=seed))
+
+
+def test_the_captured_step_reads_the_digest_buffer_a_changed_lr_updates(ranks):
+    for out, captures, replays, holds in ranks(4).run(_rank_captured_buffer):
+        assert captures == 1 and replays == 5, (captures, replays)
+        assert out[2] == out[3] == (False, False, False), out  # replayed, skipped
+        assert out[4] == out[5] == (True, True, holds), out
