@@ -88,8 +88,9 @@ class OptimizerConfig:
             every other key (all but ``params``); a mismatch raises
             [HyperparameterMismatchError][mfsdp_optim.errors.HyperparameterMismatchError] on
             every rank before anything changes. Empty (the default): every key is checked. Each
-            rank then updates its own shards with its own values of these keys (whole-param
-            classes: the value of the rank that computes a param's update).
+            rank then updates its own shards with its own values of these keys; meant for
+            elementwise classes (on the whole-param path a param's update uses the values of
+            the rank that computes it, see the documentation's Concepts page).
     """
 
     clip_grad: float = 0.0
