@@ -468,9 +468,10 @@ FAULTY = 2
 
 
 def _rank_exchange_fault(when):
-    """Rank 1 holds another lr; rank FAULTY fails ``when`` the exchange runs: ``before`` (it
-    cannot describe its values), ``during`` (after the exchange's collectives, inside it),
-    ``after`` (building the message). Then every rank steps again with equal values."""
+    """Rank 1 holds another lr; rank FAULTY fails: computing its digest (``digest``, before the
+    stats collective), or ``when`` the exchange of the failure path runs: ``before`` (it cannot
+    describe its values), ``during`` (after the exchange's collectives, inside it), ``after``
+    (building the message). Then every rank steps again with equal values."""
     import torch.distributed as dist
     from _layouts import get_mesh
     from torch.distributed.tensor import DTensor, Shard
@@ -484,16 +485,19 @@ def _rank_exchange_fault(when):
     w = FullyShardedOptimizer(torch.optim.SGD([p], lr=0.2 if rank == 1 else 0.1))
     p.grad = DTensor.from_local(torch.ones(2, 3), mesh, [Shard(0)])
     saved = _agreed.AgreedSlots.describe, _agreed.agree, _agreed.mismatch_error
+    saved_values = _agreed.AgreedSlots.values
 
     def boom(*args, **kwargs):
-        raise RuntimeError(f"injected fault {when} the exchange")
+        raise RuntimeError(f"injected fault ({when})")
 
     def agree_then_fail(*args, **kwargs):
         saved[1](*args, **kwargs)
         boom()
 
     if rank == FAULTY:
-        if when == "before":
+        if when == "digest":
+            _agreed.AgreedSlots.values = boom  # type: ignore[method-assign]
+        elif when == "before":
             _agreed.AgreedSlots.describe = boom  # type: ignore[method-assign]
         elif when == "during":
             _agreed.agree = agree_then_fail
@@ -508,6 +512,7 @@ def _rank_exchange_fault(when):
         raised = (type(exc).__name__, str(exc))
     finally:
         _agreed.AgreedSlots.describe, _agreed.agree, _agreed.mismatch_error = saved
+        _agreed.AgreedSlots.values = saved_values  # type: ignore[method-assign]
     elapsed = time.monotonic() - t0
     unchanged = torch.equal(p._local_tensor, before)
     w.param_groups[0]["lr"] = 0.1
@@ -515,7 +520,7 @@ def _rank_exchange_fault(when):
     return raised, elapsed, unchanged, ok, p._local_tensor.tolist()
 
 
-@pytest.mark.parametrize("when", ["before", "during", "after"])
+@pytest.mark.parametrize("when", ["digest", "before", "during", "after"])
 def test_a_rank_failing_in_the_exchange_never_hangs_the_others(ranks, when):
     out = ranks(4).run(_rank_exchange_fault, when, timeout=60)
     step = -float(torch.tensor(0.1))  # SGD's lr times the grad, in float32
@@ -525,10 +530,10 @@ def test_a_rank_failing_in_the_exchange_never_hangs_the_others(ranks, when):
         assert local == [[step] * 3] * 2, (rank, local)  # the next step ran, in step
         name, message = raised
         if rank == FAULTY:
-            assert (name, message) == ("RuntimeError", f"injected fault {when} the exchange")
-        elif when == "before":
+            assert (name, message) == ("RuntimeError", f"injected fault ({when})")
+        elif when in ("digest", "before"):
             assert name == "RankFailedError" and f"failed on rank {FAULTY} " in message, raised
-            assert "injected fault before the exchange" in message, message
+            assert f"injected fault ({when})" in message, message
         else:
             assert name == "HyperparameterMismatchError", raised
             assert "SGD param_groups[0]['lr']: 0.1 on ranks [0, 2, 3]; 0.2 on ranks [1]" in message
