@@ -141,6 +141,9 @@ class CapturedStep:
         """One ``step()`` (after its closure and stage checks): replay, capture or eager."""
         if not self._update_lr():
             return body()  # an lr that is not a finite number >= 0: the eager check refuses it
+        # the hyperparameter digest a replay's stats row reads, uploaded if a value changed
+        w = self.wrapper
+        w._agreement.refresh(w.config.grad_stats_group)
         graph = self.graph
         action = graph.plan(self.still_valid)
         if action == "replay":
@@ -305,7 +308,7 @@ class CapturedStep:
         (O(params))."""
         w = self.wrapper
         cfg, scaler = w.config, w.grad_scaler
-        objects: list[Any] = [cfg, cfg.grad_stats_group, scaler]
+        objects: list[Any] = [cfg, cfg.grad_stats_group, scaler, w._agreement.buffer]
         long: list[list[Any]] = []
         ptrs: list[list[int]] = []
         values: list[Any] = [
@@ -354,6 +357,7 @@ class CapturedStep:
         from ..stats import capture_keepalive
 
         keep: list[Any] = capture_keepalive() + device_constants()
+        keep.append(self.wrapper._agreement.buffer)
         for e in self.wrapper._engines:
             keep.append(e.fast._groups)
             if e.triton is not None:

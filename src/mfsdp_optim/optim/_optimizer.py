@@ -20,6 +20,7 @@ import torch
 from .._infra.grouping import by_device_dtype
 from ..stats import check_max_norm, clip_divisor, scale_by_clip_coef_
 from . import _checkpointing
+from ._agreed import AgreedSlots
 from ._config import OptimizerConfig
 from ._grad_scaler import GradScaler
 from ._prepared import Prepared, StepResult, clip_norms, prepare, stats_of
@@ -85,6 +86,8 @@ class FullyShardedOptimizer(OptimizerSurface):
         self.last_grad_norm: Any = None
         self.last_num_zeros: Any = None
         self._grad_norms: tuple[Any, ...] = ()
+        # every step's hyperparameter digests, in the stats row (ranks agree on the values)
+        self._agreement = AgreedSlots(self.optimizers, self.config.rank_dependent_keys)
         scope = self.config.clip_scope
         if isinstance(scope, tuple) and scope and scope[-1] >= len(self.optimizers):
             raise ValueError(
@@ -121,6 +124,7 @@ class FullyShardedOptimizer(OptimizerSurface):
         unscale = scaler is not None and scaler.needs_unscale()
         prep = prepare(
             self._engines,
+            agreement=self._agreement,
             inv_scale_on=scaler.inv_scale_on if unscale else None,  # type: ignore[union-attr]
             norm_type=cfg.norm_type,
             count_zeros=cfg.log_num_zeros_in_grad,
@@ -284,6 +288,15 @@ class FullyShardedOptimizer(OptimizerSurface):
             grad_norm (float): The global norm before clipping (non-finite when the step was
                 skipped).
             num_zeros_in_grad (int | None): None unless ``config.log_num_zeros_in_grad``.
+
+        Raises:
+            HyperparameterMismatchError: On every rank of the grad-stats group, when ranks'
+                param groups hold different values (checked in the step's one collective;
+                nothing changed). With ``host_sync=False`` nothing is read on the host
+                instead: the step returns a NaN norm and is skipped where it can be skipped
+                (see "Ranks agree on hyperparameters" in the documentation's Concepts page).
+            RankFailedError: On the ranks whose own input was fine, when another rank's was
+                refused (that rank raises its own error).
         """
         if closure is not None:
             with torch.enable_grad():
@@ -307,8 +320,13 @@ class FullyShardedOptimizer(OptimizerSurface):
         prep = self._prepare(defer=on_host and scaler is None)
         stats, result = prep.stats, StepResult(prep.seg, prep.host)
         device_skip = None
+        on_device = not on_host and all(e.skips_on_device() for e in self._engines)
+        if scaler is None and on_device and prep.seg.bad is not None:
+            # the device verdict (a rank failed, ranks' hyperparameters or grad presence differ)
+            # gates the update; non-finite grads do not, as without a scaler in stock torch
+            device_skip = prep.seg.bad
         if scaler is not None:
-            if not on_host and all(e.skips_on_device() for e in self._engines):
+            if on_device:
                 device_skip = stats.found_inf
                 scaler.update(device_skip)  # on the device: no host read
             else:

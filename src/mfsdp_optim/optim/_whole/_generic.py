@@ -351,9 +351,9 @@ def _step_on(
 
 
 def _stock_eps1(optimizer: torch.optim.Optimizer, saved: list[list[torch.Tensor]]) -> dict:
-    """torch's Adafactor with ``eps=(None, eps2)`` takes eps1 from the dtype of the first param
-    of the group that has a grad; an owner sees only its own params, so each such group gets
-    that value for the call: ``{group index: (the group's eps, the eps to step with)}``."""
+    """torch's Adafactor with ``eps=(None, eps2)`` takes eps1 from one dtype for the whole
+    group (``_eps1_dtype``); an owner sees only its own params, so each such group gets that
+    value for the call: ``{group index: (the group's eps, the eps to step with)}``."""
     adafactor = getattr(torch.optim, "Adafactor", None)
     if adafactor is None or not isinstance(optimizer, adafactor):
         return {}
@@ -362,11 +362,29 @@ def _stock_eps1(optimizer: torch.optim.Optimizer, saved: list[list[torch.Tensor]
         eps = g.get("eps")
         if not (isinstance(eps, (tuple, list)) and len(eps) == 2 and eps[0] is None):
             continue
-        first = next((p for p in lst if p.grad is not None), None)
-        if first is not None:
-            pair = (torch.finfo(first.dtype).eps, eps[1])
+        dtype = _eps1_dtype([p for p in lst if p.grad is not None], bool(g.get("foreach")))
+        if dtype is not None:
+            pair = (torch.finfo(dtype).eps, eps[1])
             out[gi] = (eps, pair if isinstance(eps, tuple) else list(pair))
     return out
+
+
+def _eps1_dtype(with_grad: list[torch.Tensor], foreach: bool) -> torch.dtype | None:
+    """The dtype whose eps torch's Adafactor takes as eps1 for a group whose params with a grad
+    are ``with_grad`` (None: none has a grad). The for-loop step takes the first param's; the
+    foreach step the first (device, dtype) bucket's, in the order of torch's own grouping
+    (its C++ map's, not the params'), so that grouping is asked, on the local tensors, which
+    have the params' dtypes and this rank's device."""
+    if not with_grad:
+        return None
+    if not foreach:
+        return with_grad[0].dtype
+    local: list[torch.Tensor | None] = [
+        p._local_tensor if isinstance(p, DTensor) else p for p in with_grad
+    ]
+    buckets = torch.optim.Optimizer._group_tensors_by_device_and_dtype([local])
+    _, dtype = next(iter(buckets))
+    return dtype if dtype is not None else with_grad[0].dtype
 
 
 def _same_value(a: object, b: object) -> bool:
