@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -177,6 +179,12 @@ def test_the_gpu_script_on_cpu_ranks_in_fsdp2_mode(ranks):
 
 def test_the_gpu_script_says_it_needs_a_gpu():
     need("accelerate")
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA device is here: the script would run")
-    assert _script().main() == 2
+    # run with no GPU visible, on any machine (where one is visible, the script would train)
+    paths = [os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join(filter(None, paths)))
+    script = os.path.join(ROOT, "scripts", "accelerate_gpu.py")
+    proc = subprocess.run(
+        [sys.executable, script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "needs a CUDA GPU" in proc.stdout
