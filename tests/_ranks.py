@@ -32,7 +32,14 @@ from datetime import timedelta
 from queue import Empty
 from typing import Any
 
-__all__ = ["RankPool", "RankFailure", "get_pool", "join_gloo_group", "shutdown_pools"]
+__all__ = [
+    "RankPool",
+    "RankFailure",
+    "get_pool",
+    "join_gloo_group",
+    "shutdown_pools",
+    "torchrun_env",
+]
 
 _PG_TIMEOUT_S = float(os.environ.get("MFSDP_TEST_PG_TIMEOUT", "60"))
 _ERROR_GRACE_S = 10.0
@@ -72,6 +79,41 @@ def _arm(stacks, timeout: float) -> None:
     stacks.truncate()
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     faulthandler.dump_traceback_later(timeout, file=stacks)
+
+
+@contextlib.contextmanager
+def torchrun_env():
+    """On a pool rank: the environment ``torchrun`` gives its workers (RANK, WORLD_SIZE, ...,
+    TORCHELASTIC_RUN_ID) while the block runs, so a trainer that detects torchrun (Lightning,
+    Fabric) joins the pool's process group, which is already up, instead of launching its own
+    processes; the variables are restored afterwards."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # a device mesh sets the CUDA device to LOCAL_RANK: where the pool has more ranks than the
+    # machine has GPUs, they share them as DeviceMesh's own heuristic would (rank % count)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank % gpus if gpus else rank),
+        "GROUP_RANK": "0",
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_RUN_ID": "mfsdp-test-pool",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _worker_main(rank, world_size, init_file, tasks, results, sys_path, stack_file):

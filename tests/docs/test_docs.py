@@ -4,7 +4,11 @@ A block may be preceded (blank lines aside) by an HTML comment that says how it 
 is invisible on GitHub and on the site:
 
 ``<!-- test: ranks=N -->``     run on every rank of a live N-rank gloo pool (tests/_ranks.py):
-                                the default process group is already up, as under torchrun
+                                the default process group is already up, and torchrun's
+                                variables are set (``_ranks.torchrun_env``), as under torchrun
+``<!-- test: ranks=N needs=M -->``  the same where module M imports (an optional framework, e.g.
+                                ``lightning``): without it the block is skipped, but under CI=true
+                                (which installs the extras) that fails instead
 ``<!-- test: continue -->``    run together with the block before it (same page), as one program
 ``<!-- test: skip (why) -->``  not run; a reason is required, and such blocks are kept few
 
@@ -47,6 +51,7 @@ class Program:
     ranks: int | None  # None: in this process
     code: str
     lines: list[int] = field(default_factory=list)
+    needs: str | None = None  # a module the block imports that may be missing
 
 
 def doc_files() -> list[str]:
@@ -91,20 +96,20 @@ def parse_blocks(rel_path: str) -> list[Block]:
     return blocks
 
 
-def _parse_marker(block: Block) -> tuple[str, int | None]:
-    """('run' | 'continue' | 'skip', ranks)."""
+def _parse_marker(block: Block) -> tuple[str, int | None, str | None]:
+    """('run' | 'continue' | 'skip', ranks, needs)."""
     what = (block.marker or "").strip()
     if not what:
-        return "run", None
+        return "run", None, None
     if what.startswith("skip"):
         reason = what[4:].strip(" :()")
         assert reason, f"{block.path}:{block.line}: a skipped block needs a reason: skip (why)"
-        return "skip", None
+        return "skip", None, None
     if what == "continue":
-        return "continue", None
-    m = re.fullmatch(r"ranks=(\d+)", what)
+        return "continue", None, None
+    m = re.fullmatch(r"ranks=(\d+)(?:\s+needs=([\w.]+))?", what)
     assert m, f"{block.path}:{block.line}: unknown test marker {what!r}"
-    return "run", int(m.group(1))
+    return "run", int(m.group(1)), m.group(2)
 
 
 def programs(rel_path: str) -> list[Program]:
@@ -112,7 +117,7 @@ def programs(rel_path: str) -> list[Program]:
     for block in parse_blocks(rel_path):
         if block.lang != "python":
             continue
-        kind, ranks = _parse_marker(block)
+        kind, ranks, needs = _parse_marker(block)
         if kind == "skip":
             continue
         if kind == "continue":
@@ -120,7 +125,7 @@ def programs(rel_path: str) -> list[Program]:
             out[-1].code += block.code
             out[-1].lines.append(block.line)
             continue
-        out.append(Program(block.path, block.line, ranks, block.code, [block.line]))
+        out.append(Program(block.path, block.line, ranks, block.code, [block.line], needs))
     return out
 
 
@@ -128,6 +133,25 @@ def _exec(code: str, where: str) -> None:
     """Run one program in a fresh namespace (on a pool rank, or here)."""
     namespace = {"__name__": "__doc_example__"}
     exec(compile(code, where, "exec"), namespace)  # noqa: S102 - the point of this test
+
+
+def _exec_as_torchrun(code: str, where: str) -> None:
+    """``_exec`` on a pool rank, in torchrun's environment."""
+    from _ranks import torchrun_env
+
+    with torchrun_env():
+        _exec(code, where)
+
+
+def _missing(module: str | None) -> str | None:
+    """Why ``module`` cannot be imported (None: it can, or no module is needed)."""
+    if module is None:
+        return None
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        return f"{module}: {exc}"
+    return None
 
 
 PAGES = [p for p in doc_files() if programs(p)]
@@ -159,24 +183,35 @@ def test_parser_sees_markers_and_continuations(tmp_path, monkeypatch):
         "text\n\n<!-- test: ranks=2 -->\n\n```python\na = 1\n```\n\n"
         "<!-- test: continue -->\n```python\nb = a + 1\n```\n\n"
         "<!-- test: skip (just a picture) -->\n```python\nraise SystemExit\n```\n\n"
+        "<!-- test: ranks=2 needs=some.module -->\n```python\nd = 4\n```\n\n"
         "```bash\necho hi\n```\n\n- item\n\n    ```python\n    c = 3\n    ```\n"
     )
     monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
     progs = programs("page.md")
-    assert [(p.ranks, p.code, p.lines) for p in progs] == [
-        (2, "a = 1\nb = a + 1\n", [5, 10]),
-        (None, "c = 3\n", [25]),
+    assert [(p.ranks, p.code, p.lines, p.needs) for p in progs] == [
+        (2, "a = 1\nb = a + 1\n", [5, 10], None),
+        (2, "d = 4\n", [20], "some.module"),
+        (None, "c = 3\n", [30], None),
     ]
 
 
 @pytest.mark.parametrize("page", PAGES)
 def test_doc_code(page, ranks):
+    missing = []
     for prog in programs(page):
         where = f"{prog.path}:{prog.line}"
-        if prog.ranks is None:
+        why = _missing(prog.needs)
+        if why is not None:
+            missing.append(f"{where} ({why})")
+        elif prog.ranks is None:
             _exec(prog.code, where)
         else:
-            ranks(prog.ranks).run(_exec, prog.code, where, timeout=180.0)
+            ranks(prog.ranks).run(_exec_as_torchrun, prog.code, where, timeout=180.0)
+    if missing:
+        what = "not run, a module is missing: " + "; ".join(missing)
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{what} (CI installs the extras: .ci/run)")
+        pytest.skip(f"{what}: pip install 'mfsdp-optim[trainers]'")
 
 
 PUBLIC_MODULES = (

@@ -103,6 +103,11 @@ CATALOGUE = {
     "W20 OptimizerConfig(clip_grad=None)": ("TypeError", "OptimizerConfig.clip_grad must be"),
     "W21 cuda_graph without host_sync=False": ("ValueError", "needs host_sync=False"),
     "W22 cuda_graph over CPU params": ("ValueError", "on one CUDA device"),
+    "W23 lr differs between ranks": (
+        "HyperparameterMismatchError",
+        "Adam param_groups[0]['lr']: 0.01 on ranks [0, 1, 3]; 0.5 on ranks [2]",
+    ),
+    "W24 rank_dependent_keys a bare string": ("TypeError", "(one key: ('lr',))"),
 }
 
 # inputs that are NOT refused today (see docs/errors.md, "Gaps"): strict xfail, so a fix flips it
@@ -418,6 +423,8 @@ def _cases(root):  # noqa: C901 - one flat list of small cases
             config=OptimizerConfig(cuda_graph=True, host_sync=False)
         ),
         "W16 NaN lr set after construction": nan_lr_later,
+        "W23 lr differs between ranks": lambda: bad_group_value("lr", 0.5 if rank == 2 else 0.01),
+        "W24 rank_dependent_keys a bare string": lambda: OptimizerConfig(rank_dependent_keys="lr"),
     }
     out = {}
     for name, fn in cases.items():

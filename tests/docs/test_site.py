@@ -19,7 +19,13 @@ from _site import build_site
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_CODE_COLUMNS = 80
-PUBLIC_MODULES = ("mfsdp_optim", "mfsdp_optim.stats", "mfsdp_optim.optim", "mfsdp_optim.checkpoint")
+PUBLIC_MODULES = (
+    "mfsdp_optim",
+    "mfsdp_optim.stats",
+    "mfsdp_optim.optim",
+    "mfsdp_optim.checkpoint",
+    "mfsdp_optim.errors",
+)
 
 # every element a page may hold: a name outside this set is text such as "<root>" that the
 # browser took for a tag and dropped

@@ -5,7 +5,9 @@ imports torch and the torch.distributed modules the package uses, then forks one
 of src/mfsdp_optim (found by walking the tree, so a new module is covered without a test edit);
 each child starts with no ``mfsdp_optim`` module loaded and imports exactly one, so the import
 order is the one a user who imports that module first gets. The children's results come back as
-one JSON line.
+one JSON line. An integration's implementation module (``mfsdp_optim.integrations._*``) may
+instead raise the ImportError that says what to install, where its framework is missing; under
+CI=true (which installs the trainers) it must import too.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ for name in sys.argv[1:]:
         try:
             __import__(name)
             msg = "ok" if name in sys.modules else "not in sys.modules after import"
+        except ImportError as exc:
+            integration = name.startswith("mfsdp_optim.integrations._")
+            told = integration and "Install it: pip install" in str(exc)
+            msg = f"missing framework: {exc}" if told else traceback.format_exc()
         except BaseException:
             msg = traceback.format_exc()
         os.write(write, msg.encode())
@@ -98,5 +104,8 @@ def test_every_module_imports_first_in_a_fresh_interpreter():
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert sorted(results) == sorted(names)
-    failed = {name: msg for name, msg in results.items() if msg != "ok"}
+    tolerated = "missing framework:" if os.environ.get("CI") != "true" else "ok"
+    failed = {
+        name: msg for name, msg in results.items() if msg != "ok" and not msg.startswith(tolerated)
+    }
     assert not failed, "\n\n".join(f"import {n} first:\n{m}" for n, m in failed.items())

@@ -1,7 +1,8 @@
 """The layer rules, checked over src/: each layer imports only the layers its docstring allows,
 and only through their packages' names, never a private module or a private name.
 
-Each layer package's docstring (``_infra``, ``stats``, ``optim``, ``checkpoint``) says
+Each layer package's docstring (``_infra``, ``stats``, ``optim``, ``checkpoint``,
+``integrations``) says
 "Layers it may import: ``a``, ``b``." (or "none"). Every module under the package (nested ones
 included, function-level imports included) is parsed with ``ast``; every import that resolves to
 another layer must name an allowed layer, and neither the module path below that layer's package
@@ -20,7 +21,7 @@ import re
 _SPEC = importlib.util.find_spec("mfsdp_optim")
 assert _SPEC is not None and _SPEC.origin is not None
 PACKAGE_DIR = os.path.dirname(os.path.abspath(_SPEC.origin))
-LAYERS = ("_infra", "stats", "optim", "checkpoint")
+LAYERS = ("_infra", "stats", "optim", "checkpoint", "integrations")
 _RULE = re.compile(r"Layers\s+it\s+may\s+import:\s*(.*?)\.(\s|$)", re.S)
 
 
@@ -111,6 +112,8 @@ def test_the_rules_as_the_docstrings_state_them():
         "stats": {"_infra"},
         "checkpoint": {"_infra"},
         "optim": {"stats", "checkpoint", "_infra"},
+        # the top layer: the other layers' public names only, and nothing imports it
+        "integrations": {"optim", "stats", "checkpoint"},
     }
 
 
@@ -129,5 +132,6 @@ def test_the_checker_catches_each_kind_of_breach():
     assert check("from ..checkpoint import build\n")  # a layer not allowed
     assert check("from ...stats._clip import x\n", "mfsdp_optim.optim._whole._muon")  # nested
     assert check("from .._infra._secret import x\n")  # a private module of _infra
+    assert check("from ..integrations import lightning\n")  # a lower layer reaching up
     assert allowed_layers("x. Layers it\n    may import: ``a``, ``b``.\n") == {"a", "b"}
     assert allowed_layers("Layers it may import: none.") == set()

@@ -736,14 +736,19 @@ def _inject_replica(fault, opt, params, target, bad):
     return lambda: setattr(module, name, real)
 
 
-def _rank_replica_fault(opt_name, layout, fault, roles):
+def _rank_replica_fault(opt_name, layout, fault, roles, hosted=False):
     """A clean step, the faulty one (on the given roles of the unit of the param the fault
-    touches: its owner, a receiver, a member that is not the owner), a clean one after it."""
+    touches: its owner, a receiver, a member that is not the owner), a clean one after it.
+    ``hosted``: every step as under ``host_sync=False`` (a ``DeviceVerdict``: the generic path
+    sends its headers and status words through its host-side group)."""
     from _layouts import build_grad
     from test_whole_replicas import LAYOUTS as REPLICA_LAYOUTS
     from test_whole_replicas import _class
 
-    from mfsdp_optim.optim._whole import step_whole_params
+    from mfsdp_optim.optim._whole import DeviceVerdict, step_whole_params
+
+    def mode():
+        return {"verdict": DeviceVerdict(torch.device("cpu"))} if hosted else {}
 
     specs, _ = REPLICA_LAYOUTS[layout]
     cls, kw = _class(opt_name)
@@ -755,7 +760,7 @@ def _rank_replica_fault(opt_name, layout, fault, roles):
         for p, s in zip(params, specs, strict=True):
             p.grad = build_grad(_grad_spec(s, step), check=False).to(p.dtype)
         if step != 1:
-            plan = step_whole_params(opt, params, plan_cache=plan, span_replicas=True)
+            plan = step_whole_params(opt, params, plan_cache=plan, span_replicas=True, **mode())
             continue
         assert plan is not None
         target = 1 if fault == "state_shape" else 0  # the 1-D param: a param-shaped entry
@@ -768,7 +773,7 @@ def _rank_replica_fault(opt_name, layout, fault, roles):
         }
         bad = sorted({holders[r] for r in roles})
         inject = functools.partial(_inject_replica, fault, opt, params, target, bad)
-        plan, outcome = _faulty_step(opt, params, plan, inject, span_replicas=True)
+        plan, outcome = _faulty_step(opt, params, plan, inject, span_replicas=True, **mode())
         outcome.append((bad, unit.owner))
     return outcome  # the clean step after it ran on every rank (else the pool reports a hang)
 

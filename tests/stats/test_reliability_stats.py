@@ -224,9 +224,9 @@ def _rank_count_collectives(kind):
 def test_one_collective_when_healthy_two_when_a_rank_failed(ranks):
     pool = ranks(4)
     for kind in ("healthy", "healthy_inf"):
-        assert pool.run(_rank_count_collectives, kind) == [([("all_gather", 9)], None)] * 4, kind
+        assert pool.run(_rank_count_collectives, kind) == [([("all_gather", 12)], None)] * 4, kind
     out = pool.run(_rank_count_collectives, "fail")
-    assert [calls for calls, _ in out] == [[("all_gather", 9), ("all_gather", 2048)]] * 4
+    assert [calls for calls, _ in out] == [[("all_gather", 12), ("all_gather", 2048)]] * 4
     # the failing rank raises its own error; every healthy one names it
     name, msg = out[BAD][1]
     assert name == "ValueError" and "norm_type must be > 0" in msg, out[BAD]
@@ -267,3 +267,62 @@ def test_device_only_mode_poisons_the_result_instead(ranks):
     for rank in (0, 1, 3):
         assert out[rank][0] == ("ok", True, True), out[rank]
     assert all(o[1] == (True, True) for o in out)
+
+
+def _rank_agreed(kind):
+    """The row's agreed values (the wrapper's hyperparameter digests): rank BAD passes other
+    values than the others. Read on the host: ``AgreedValuesError`` on every rank, each rank's
+    values in it, nothing returned; on the device: NaN statistics, ``found_inf`` and ``bad``;
+    the deferred verdict: ``bad`` on the device, the error from ``verdict()``. Then a healthy
+    call: the group is still in step."""
+    from mfsdp_optim.stats import _reduce
+    from mfsdp_optim.stats._buckets import bucket_local_shards
+
+    rank = dist.get_rank()
+    mine = [1.0, 2.0, 3.0 + (0.5 if rank == BAD else 0.0)]
+    agreed = torch.tensor(mine, dtype=torch.float64)
+    kw = dict(segments=1, norm_type=2.0, count_zeros=False, group=None, agreed=agreed)
+    buckets = bucket_local_shards(_good(), None)
+    t0 = time.monotonic()
+    out: tuple = ()
+    try:
+        if kind == "read":
+            _reduce.reduce_segments_read(buckets, **kw)
+        elif kind == "device":
+            seg = _reduce.reduce_segments(buckets, **kw)
+            assert seg.bad is not None
+            out = (
+                math.isnan(float(seg.stats.total_norm)),
+                bool(seg.stats.found_inf),
+                bool(seg.bad),
+            )
+        else:
+            seg, bad, verdict = _reduce.reduce_buckets_deferred(buckets, **kw)
+            out = (bool(bad),)
+            verdict()
+        raised = None
+    except _reduce.AgreedValuesError as exc:
+        raised = (str(exc), exc.ranks)
+    elapsed = time.monotonic() - t0
+    after = _reduce.reduce_segments_read(
+        buckets, **{**kw, "agreed": torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)}
+    )[1]
+    return out, raised, elapsed, after
+
+
+@pytest.mark.parametrize("kind", ["read", "device", "deferred"])
+def test_agreed_values_that_differ_are_caught_on_every_rank(ranks, kind):
+    out = ranks(4).run(_rank_agreed, kind, timeout=60)
+    want = [(1.0, 2.0, 3.5 if r == BAD else 3.0) for r in range(4)]
+    for rank, (values, raised, elapsed, after) in enumerate(out):
+        assert elapsed < FAST_S, (rank, elapsed)
+        assert after[0] == 0.0 and after[1] == pytest.approx(2.0 * 12**0.5), after  # in step
+        if kind == "device":
+            assert values == (True, True, True) and raised is None, (rank, values, raised)
+            continue
+        assert raised is not None, f"rank {rank}: agreed values that differ were accepted"
+        message, ranks_values = raised
+        assert ranks_values == want, ranks_values
+        assert "agreed values of the 4-rank grad-stats group differ" in message, message
+        if kind == "deferred":
+            assert values == (True,), values

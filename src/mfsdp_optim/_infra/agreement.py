@@ -59,7 +59,10 @@ class RankFailedError(RuntimeError):
 
 
 class RankMismatchError(ValueError):
-    """Ranks of a group passed values that must be equal on every rank (raised on every rank)."""
+    """Ranks of a group passed values that must be equal on every rank (raised on every rank).
+
+    The base of ``StatsArgumentMismatchError``, ``HyperparameterMismatchError`` and
+    ``RankDisagreementError``; raised as itself where ranks' whole-param plans differ."""
 
 
 class Wording(NamedTuple):

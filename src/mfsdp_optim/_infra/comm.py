@@ -1,11 +1,15 @@
-"""Collective plumbing shared by the layers: the group's device, a numpy-free object gather,
-host reads that wait for the values they read, not for everything enqueued after them, and
-host values staged for a copy to the device that does not make the host wait."""
+"""Collective plumbing shared by the layers: the group's device, a numpy-free object gather and
+object all-to-all, host reads that wait for the values they read, not for everything enqueued
+after them, host values staged for a copy to the device that does not make the host wait
+(``staged_for``) or made once and kept there (``device_constant``), a group's timeout, and a
+gloo group of a device group's ranks for host-side values (``host_group_of``)."""
 
 from __future__ import annotations
 
 import ctypes
 import pickle
+from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -16,9 +20,15 @@ __all__ = [
     "HostRead",
     "all_gather_objects",
     "all_reduce_max",
+    "all_to_all_objects",
     "collective_device",
+    "device_constant",
+    "device_constants",
+    "group_timeout",
+    "host_group_of",
     "staged_for",
     "to_collective",
+    "uploaded",
 ]
 
 # bytes this process handed to collectives through these helpers, per helper: what a rank
@@ -49,13 +59,83 @@ def to_collective(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=device.type != "cpu")
 
 
-def staged_for(device: torch.device, values: list[float], dtype: torch.dtype) -> torch.Tensor:
+def staged_for(device: torch.device, values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
     """``values`` as a host tensor to copy to ``device`` with ``non_blocking=True``: in pinned
     memory when ``device`` is CUDA. A copy from pageable memory may make the host wait for the
     stream (it would stall behind the kernel it has just launched); from pinned memory it is
     enqueued, and the caching host allocator keeps the block until the copy has run."""
     host = torch.tensor(values, dtype=dtype)
     return host.pin_memory() if device.type == "cuda" else host
+
+
+def uploaded(device: torch.device, values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
+    """``values`` as a new 1-D ``dtype`` tensor on ``device``, copied from pinned memory without
+    a sync (``staged_for``); an empty one is made there, with no copy."""
+    if not len(values):
+        return torch.empty(0, dtype=dtype, device=device)
+    return staged_for(device, values, dtype).to(device, non_blocking=True)
+
+
+_CONSTANTS: dict[tuple, torch.Tensor] = {}
+_CONSTANTS_SIZE = 256
+
+
+def device_constant(
+    device: torch.device, values: Sequence[float], dtype: torch.dtype
+) -> torch.Tensor:
+    """``values`` as a 1-D ``dtype`` tensor on ``device``, made once per (device, dtype,
+    values) and kept: callers must never write it. The first call copies from pinned memory
+    without a sync (``staged_for``); later calls copy nothing, so a step that needs the same
+    constant every time makes no host-to-device copy at all (nothing for a CUDA graph to
+    capture but the kernels that read it). Made outside a capture: a tensor first made while a
+    graph is being captured would hold its values only once the graph ran."""
+    key = (device, dtype, tuple(values))
+    cached = _CONSTANTS.get(key)
+    if cached is None:
+        if len(_CONSTANTS) >= _CONSTANTS_SIZE:
+            _CONSTANTS.clear()
+        cached = _CONSTANTS[key] = uploaded(device, list(values), dtype)
+    return cached
+
+
+def device_constants() -> list[torch.Tensor]:
+    """Every constant ``device_constant`` holds now (a captured graph that reads some keeps
+    them alive with this list, whatever the cache drops later)."""
+    return list(_CONSTANTS.values())
+
+
+def group_timeout(group: dist.ProcessGroup | None) -> timedelta | None:
+    """The timeout of ``group``'s collectives (default WORLD), or None where the backend does not
+    say."""
+    pg = group if group is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout  # type: ignore[union-attr]
+        except Exception:  # noqa: S112 - this backend has no such option, try the next
+            continue
+    return None
+
+
+_HOST_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def host_group_of(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A group of ``group``'s ranks whose collectives run on the host: ``group`` itself where
+    they already do (gloo), else a gloo group of the same ranks (same order, same timeout),
+    made the first time (every rank of ``group`` must call this at the same point; ranks
+    outside it need not) and kept. For values that live on the host (exception messages,
+    headers, CPU scalars): sending them through it reads nothing back from a device."""
+    if collective_device(group).type == "cpu":
+        return group
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    pg = _HOST_GROUPS.get(ranks)
+    if pg is None:
+        timeout = group_timeout(group)
+        kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
+        made = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True, **kwargs)
+        assert made is not None
+        pg = _HOST_GROUPS[ranks] = made
+    return pg
 
 
 class HostRead:
@@ -112,6 +192,31 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list
     host = gathered.cpu()
     base = host.data_ptr()
     return [pickle.loads(ctypes.string_at(base + r * width, n)) for r, n in enumerate(sizes_host)]
+
+
+def all_to_all_objects(objs: Sequence[Any], group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Send ``objs[r]`` (picklable) to rank ``r`` of a host-side group (``host_group_of``) and
+    return what each rank sent this one, in group-rank order: two all-to-alls on the host (one
+    int64 per peer, then the pickles). Only for data the ranks of one job produced themselves:
+    it unpickles."""
+    rank = dist.get_rank(group)
+    blobs = [
+        b"" if r == rank else pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL)
+        for r, o in enumerate(objs)
+    ]
+    sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64)
+    got = torch.empty_like(sizes)
+    dist.all_to_all_single(got, sizes, group=group)
+    recv_sizes = got.tolist()
+    send = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8) if any(blobs) else None
+    send = send if send is not None else torch.empty(0, dtype=torch.uint8)
+    recv = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+    dist.all_to_all_single(recv, send, recv_sizes, [len(b) for b in blobs], group=group)
+    base, out, at = recv.data_ptr(), [], 0
+    for r, n in enumerate(recv_sizes):
+        out.append(None if r == rank else pickle.loads(ctypes.string_at(base + at, n)))
+        at += n
+    return out
 
 
 def all_reduce_max(values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

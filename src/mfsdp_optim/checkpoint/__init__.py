@@ -2,7 +2,8 @@
 torch's ``get_optimizer_state_dict`` layout and never half-load.
 
 Map: ``save_checkpoint`` / ``load_checkpoint`` crash-safe, verified whole checkpoints
-(``asynchronous=True``: a ``SaveHandle``, the write in the background);
+(``asynchronous=True``: a ``SaveHandle``, the write in the background; ``prepare_async_save``
+its host buffers made ahead of the first one);
 ``build_sharded_state_dict`` one rank's state dict (a ``ParamRecord`` per param) for
 ``dcp.save``/``dcp.load``, ``load_sharded_state_dict`` validates it and only then restores;
 ``prune_to_checkpoint`` fits a load target to an older format; ``to_torch_state_dict`` /
@@ -12,7 +13,7 @@ docs/concepts.md, "The checkpoint layer's calls". Layers it may import: ``_infra
 """
 
 from .._infra.params import ParamRecord
-from ._async import SaveHandle
+from ._async import PrepareHandle, SaveHandle
 from ._build import KeyspaceError, build_sharded_state_dict
 from ._inspect import inspect_checkpoint
 from ._interop import from_torch_state_dict, to_torch_state_dict
@@ -33,6 +34,7 @@ from ._save import (
     check_checkpoint,
     checkpoint_status,
     load_checkpoint,
+    prepare_async_save,
     save_checkpoint,
 )
 from ._stateful import OptimizerStateful
@@ -44,6 +46,7 @@ __all__ = [
     "KeyspaceError",
     "OptimizerStateful",
     "ParamRecord",
+    "PrepareHandle",
     "RankDisagreementError",
     "SafeFileSystemReader",
     "SafeLoadPlanner",
@@ -58,6 +61,7 @@ __all__ = [
     "load_checkpoint",
     "load_sharded_state_dict",
     "materialize_optimizer_state",
+    "prepare_async_save",
     "prune_to_checkpoint",
     "safe_read_metadata",
     "save_checkpoint",

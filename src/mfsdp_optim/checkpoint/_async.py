@@ -1,13 +1,13 @@
 """The asynchronous save: the state copied off the live tensors, then written in the background.
 
 Map: ``SaveHandle`` (what ``save_checkpoint(..., asynchronous=True)`` returns: ``wait``,
-``done``); ``stage`` (the copy: one host buffer per dtype, pinned where the state is on CUDA,
-reused from one save to the next); ``background_group`` (a gloo group of the
-saving ranks, made once per group, for the background's collectives, so they never interleave
-with training's); ``start`` (writes the staged copy and finishes the save, checksums and
-publish included, on a background thread); ``settle`` (the
-next save or load first waits for the one in flight and takes its error if ``wait`` never
-raised it).
+``done``); ``stage`` (the copy: one host buffer per dtype, page-locked where the state is on
+CUDA, reused from one save to the next: ``_host_buffers``); ``prepare`` (those buffers made
+ahead of the first save, on a background thread: ``PrepareHandle``); ``background_group`` (a
+gloo group of the saving ranks, made once per group, for the background's collectives, so they
+never interleave with training's); ``start`` (writes the staged copy and finishes the save,
+checksums and publish included, on a background thread); ``settle`` (the next save or load
+first waits for the one in flight and takes its error if ``wait`` never raised it).
 
 One save is in flight per process at a time: every collective of the background runs on the
 background group, in the order of the saves, which is the same on every rank.
@@ -22,15 +22,16 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent import futures
 from concurrent.futures import Future
-from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from .._infra.agreement import Failure
+from .._infra.comm import group_timeout
+from . import _host_buffers
 
-__all__ = ["SaveHandle", "background_group", "settle", "stage", "start"]
+__all__ = ["PrepareHandle", "SaveHandle", "background_group", "prepare", "settle", "stage", "start"]
 
 
 class SaveHandle:
@@ -122,23 +123,13 @@ def settle() -> Failure | None:
     )
 
 
-def _timeout_of(group: dist.ProcessGroup | None) -> timedelta | None:
-    pg = group if group is not None else dist.group.WORLD
-    for device in ("cpu", "cuda"):
-        try:
-            return pg._get_backend(torch.device(device)).options._timeout  # type: ignore[union-attr]
-        except Exception:  # noqa: S112 - this backend has no such option, try the next
-            continue
-    return None
-
-
 def background_group(group: dist.ProcessGroup | None, ranks: list[int]) -> dist.ProcessGroup:
     """A gloo group of ``ranks`` (the saving group's), with its timeout, made the first time
     (every rank of the group calls this at the same point of ``save_checkpoint``)."""
     key = tuple(ranks)
     pg = _GROUPS.get(key)
     if pg is None:
-        timeout = _timeout_of(group)
+        timeout = group_timeout(group)
         kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
         pg = dist.new_group(ranks, backend="gloo", use_local_synchronization=True, **kwargs)
         _GROUPS[key] = pg
@@ -146,13 +137,6 @@ def background_group(group: dist.ProcessGroup | None, ranks: list[int]) -> dist.
 
 
 _IMMUTABLE = (str, int, float, bool, bytes, type(None))
-_BUFFERS: dict[tuple[torch.dtype, str], torch.Tensor] = {}
-# per buffer key: the buffer the views were cut from, the shapes they were cut for, the views,
-# and the DTensor last built around each view (None until one is)
-_VIEWS: dict[
-    tuple[torch.dtype, str],
-    tuple[torch.Tensor, tuple[torch.Size, ...], list[torch.Tensor], list[Any]],
-] = {}
 
 
 class _Leaf(NamedTuple):
@@ -172,64 +156,43 @@ class _Copy(NamedTuple):
     slot: int
 
 
-def _views(
-    key: tuple[torch.dtype, str], shapes: tuple[torch.Size, ...]
-) -> tuple[list[torch.Tensor], list[Any]]:
-    """Views of ``shapes``, one after the other, into the host buffer of ``key`` (allocated
-    when missing or of another size), and the list of DTensors built around them. Both are
-    kept with the buffer and the shapes they were cut for, and reused only when both are the
-    same (cutting 2,400 views costs ~5 ms; the staged copy of the previous save is no longer in
-    use: ``settle`` waited for it)."""
-    buf = _BUFFERS.get(key)
-    cached = _VIEWS.get(key)
-    if cached is not None and cached[0] is buf and cached[1] == shapes:
-        return cached[2], cached[3]
-    _VIEWS.pop(key, None)
-    sizes = [math.prod(s) for s in shapes]
-    total = sum(sizes)
-    if buf is None or buf.numel() != total:
-        _BUFFERS.pop(key, None)  # the old one goes before the new one is allocated
-        pinned = key[1] == "cuda" and torch.cuda.is_available()
-        buf = _BUFFERS[key] = torch.empty(total, dtype=key[0], pin_memory=pinned)
-    views = [v.view(s) for v, s in zip(buf.split(sizes), shapes, strict=True)]
-    wrapped: list[Any] = [None] * len(views)
-    _VIEWS[key] = (buf, shapes, views, wrapped)
-    return views, wrapped
+def _by_key(sources: list[torch.Tensor]) -> dict[_host_buffers.Key, list[int]]:
+    """The sources' indices per host buffer: one per dtype and device type."""
+    groups: dict[_host_buffers.Key, list[int]] = {}
+    for i, src in enumerate(sources):
+        groups.setdefault((src.dtype, src.device.type), []).append(i)
+    return groups
 
 
 def _copy_flat(sources: list[torch.Tensor]) -> list[_Copy]:
-    """Host copies of ``sources``: views into ONE host buffer per dtype and device type (pinned
-    for CUDA sources), filled by one ``_foreach_copy_`` (CPU) or non-blocking copies (devices).
-    The buffers, and the views when the shapes are the same, are kept for the next save. Why
-    not torch's ``StateDictStager``: it copies storage by storage from Python (tens of
-    microseconds each), seconds of blocking for the tens of thousands of state tensors of a
-    large model."""
-    groups: dict[tuple[torch.dtype, str], list[int]] = {}
-    for i, src in enumerate(sources):
-        groups.setdefault((src.dtype, src.device.type), []).append(i)
+    """Host copies of ``sources``: views into ONE host buffer per dtype and device type
+    (page-locked for CUDA sources: ``_host_buffers``), filled by one ``_foreach_copy_`` (CPU)
+    or non-blocking copies (devices). The buffers, and the views when the shapes are the same,
+    are kept for the next save (and made ahead of the first by ``prepare``). Why not torch's
+    ``StateDictStager``: it copies storage by storage from Python (tens of microseconds each),
+    seconds of blocking for the tens of thousands of state tensors of a large model."""
     out: list[_Copy | None] = [None] * len(sources)
-    for key, idx in groups.items():
-        srcs = [sources[i] for i in idx]
-        views, wrapped = _views(key, tuple(s.shape for s in srcs))
-        if key[1] == "cpu":
-            torch._foreach_copy_(views, srcs)
-        else:
-            for view, src in zip(views, srcs, strict=True):
-                view.copy_(src, non_blocking=True)
-        for slot, i in enumerate(idx):
-            out[i] = _Copy(views[slot], wrapped, slot)
-    if any(key[1] == "cuda" for key in groups):
-        torch.cuda.synchronize()  # the non-blocking copies are complete on return
+    groups = _by_key(sources)
+    with _host_buffers.LOCK:  # no preparation replaces a buffer while it is copied into
+        for key, idx in groups.items():
+            srcs = [sources[i] for i in idx]
+            views, wrapped = _host_buffers.views(key, tuple(s.shape for s in srcs))
+            if key[1] == "cpu":
+                torch._foreach_copy_(views, srcs)
+            else:
+                for view, src in zip(views, srcs, strict=True):
+                    view.copy_(src, non_blocking=True)
+            for slot, i in enumerate(idx):
+                out[i] = _Copy(views[slot], wrapped, slot)
+        if any(key[1] == "cuda" for key in groups):
+            torch.cuda.synchronize()  # the non-blocking copies are complete on return
     return out  # type: ignore[return-value]
 
 
-@torch.no_grad()
-def stage(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of ``state_dict`` that shares nothing mutable with it: every tensor's values in
-    host memory (``_copy_flat``; a DTensor rebuilt around its copied local tensor with the same
-    mesh, placements and global shape), containers copied, other values deep-copied (the
-    read-only ``param_to_group_meta`` table shared). Complete on return (device copies
-    synchronised)."""
+def _collect(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """``state_dict`` with every tensor replaced by a ``_Leaf`` (containers copied, other values
+    deep-copied, the read-only ``param_to_group_meta`` table shared), and the tensors (local
+    tensors of DTensors) in the order of the leaves."""
     from torch.distributed.tensor import DTensor
 
     from ._table import GroupMetaTable
@@ -253,7 +216,19 @@ def stage(state_dict: Mapping[str, Any]) -> dict[str, Any]:
             return value
         return copy.deepcopy(value)
 
-    shape = {k: collect(v) for k, v in state_dict.items()}
+    return {k: collect(v) for k, v in state_dict.items()}, sources
+
+
+@torch.no_grad()
+def stage(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``state_dict`` that shares nothing mutable with it: every tensor's values in
+    host memory (``_copy_flat``; a DTensor rebuilt around its copied local tensor with the same
+    mesh, placements and global shape), containers copied, other values deep-copied (the
+    read-only ``param_to_group_meta`` table shared). Complete on return (device copies
+    synchronised)."""
+    from torch.distributed.tensor import DTensor
+
+    shape, sources = _collect(state_dict)
     copies = _copy_flat(sources)
 
     def fill(value: Any) -> Any:
@@ -276,6 +251,77 @@ def stage(state_dict: Mapping[str, Any]) -> dict[str, Any]:
         return value
 
     return {k: fill(v) for k, v in shape.items()}
+
+
+class PrepareHandle:
+    """The host buffers of an asynchronous save being made ahead of it (returned by
+    ``prepare_async_save``).
+
+    Made by ``prepare_async_save``, not by you.
+
+    Attributes:
+        nbytes: The host bytes the buffers hold (one copy of the state's tensors).
+    """
+
+    def __init__(self, future: Future, nbytes: int):
+        self.nbytes = nbytes
+        self._future = future
+
+    def done(self) -> bool:
+        """True once the buffers are made (or making them failed)."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the buffers are made.
+
+        Args:
+            timeout: Seconds to wait at most (None: until they are).
+
+        Raises:
+            TimeoutError: Still making them after ``timeout`` seconds (it goes on).
+            RuntimeError: Making them failed (out of host memory, or of memory the process
+                may page-lock); the next asynchronous save then makes them itself.
+        """
+        futures.wait([self._future], timeout=timeout)
+        if not self._future.done():
+            raise TimeoutError(f"the host buffers are still being made after {timeout} s")
+        exc = self._future.exception()
+        if exc is not None:
+            raise exc
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else "failed" if self._future.exception() else "done"
+        return f"PrepareHandle({self.nbytes / 2**30:.2f} GiB, {state})"
+
+
+def prepare(state_dict: Mapping[str, Any], background: bool = True) -> PrepareHandle:
+    """Make the host buffers (and views) an asynchronous save of ``state_dict`` copies into:
+    on a background thread (``background``), or before returning. A save in flight is waited
+    for first (its write reads the buffers); a save that starts meanwhile waits for the buffers
+    (``_host_buffers.LOCK``) and finds them made. Nothing is copied and no collective runs."""
+    _, sources = _collect(state_dict)
+    wanted = {key: tuple(sources[i].shape for i in idx) for key, idx in _by_key(sources).items()}
+    total = sum(math.prod(s) * key[0].itemsize for key, shapes in wanted.items() for s in shapes)
+    result: Future = Future()
+
+    def make() -> None:
+        try:
+            with _LOCK:
+                handle = _IN_FLIGHT
+            if handle is not None:
+                futures.wait([handle._future])  # its error stays for its wait() / settle()
+            with _host_buffers.LOCK:
+                for key, shapes in wanted.items():
+                    _host_buffers.views(key, shapes, touch=True)
+            result.set_result(None)
+        except BaseException as exc:  # noqa: BLE001 - reported by the handle's wait()
+            result.set_exception(exc)
+
+    if background:
+        threading.Thread(target=make, name="mfsdp-async-save-prepare", daemon=True).start()
+    else:
+        make()
+    return PrepareHandle(result, total)
 
 
 def start(directory: str, work: Callable[[], str], blocking_t0: float) -> SaveHandle:

@@ -13,9 +13,10 @@ memory, asks ``_graph.StepGraph`` what to do with this step, then
 
 ``inputs()`` lists what a capture reads (checked before every replay): the params, their grads
 and both kinds of local tensor (O(params): identity and addresses, in chunks that stay in the
-CPU cache), the optimizer's state mapping, groups and the hyperparameters baked into the graph,
-the fast step's caches and Triton tables, the scaler's device tensors and the config.
-Construction refuses what can never be captured (``check_setup``).
+CPU cache), Muon's momentum buffers' local tensors, the optimizer's state mapping, groups and the
+hyperparameters baked into the graph (Muon's lr among them), the fast step's caches and Triton
+tables, Muon's whole-param plan, the scaler's device tensors and the config. Construction
+refuses what can never be captured (``check_setup``).
 Why and what a training loop must do: docs/concepts.md, "The captured step".
 """
 
@@ -47,6 +48,37 @@ _grad_of = attrgetter("grad")
 _local_of = attrgetter("_local_tensor")
 _LR_DTYPE = torch.float32  # torch's fused Adam kernels read a tensor lr as float32
 _SCALERS = (type(None), ConstantGradScaler, DynamicGradScaler)
+
+
+def _state_locals(e: Any, params: list[Any]) -> list[Any]:
+    """The local tensors of the momentum buffers a captured Muon step writes (O(params));
+    empty for other engines (the fast step's state is in its own caches)."""
+    if e.kind != WHOLE_PARAM:
+        return []
+    state = e.optimizer.state
+    out = []
+    for p in params:
+        buf = state.get(p, {}).get("momentum_buffer")
+        out.append(getattr(buf, "_local_tensor", buf))
+    return out
+
+
+def _whole_blocker(e: Any, name: str) -> str | None:
+    """Why a whole-param engine's step just run cannot be captured, or None: only Muon's step
+    that kept its plan on the device can (its exchanges' sizes come from that plan alone)."""
+    opt = e.optimizer
+    if not e.whole_on_device():
+        return f"{name} takes the generic whole-param update (its class's own step() runs)"
+    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks or "step" in vars(opt):
+        return f"{name} has step hooks or a patched step() (a replay would not run them)"
+    if e.preparer.plan is None:
+        return f"grads of {name} need a dtype cast, or some of its params have no grad"
+    if not e.whole_steady():
+        return f"{name} built its whole-param plan at this step (the next step can be captured)"
+    for gi, g in enumerate(opt.param_groups):
+        if _frozen_values(g) is None:
+            return f"param group {gi} of {name} holds a tensor or list hyperparameter"
+    return None
 
 
 def check_setup(wrapper: FullyShardedOptimizer) -> torch.device:
@@ -158,6 +190,9 @@ class CapturedStep:
         """One ``step()`` (after its closure and stage checks): replay, capture or eager."""
         if not self._update_lr():
             return body()  # an lr that is not a finite number >= 0: the eager check refuses it
+        # the hyperparameter digest a replay's stats row reads, uploaded if a value changed
+        w = self.wrapper
+        w._agreement.refresh(w.config.grad_stats_group)
         graph = self.graph
         action = graph.plan(self.still_valid)
         if action == "replay":
@@ -227,6 +262,8 @@ class CapturedStep:
                     e.fast.lr_slots = None
                     continue
                 return False
+            if e.kind == WHOLE_PARAM:  # Muon takes its lr as a number: baked (inputs())
+                continue
             slots = e.fast.lr_slots
             if slots is None or len(slots) != len(lrs):
                 e.fast.lr_slots = ScalarSlots(lrs, self.device, _LR_DTYPE)
@@ -256,7 +293,10 @@ class CapturedStep:
             opt = e.optimizer
             name = e.name or type(opt).__name__
             if e.kind == WHOLE_PARAM:
-                return f"{name} takes the whole-param update (its exchanges are not captured)"
+                reason = _whole_blocker(e, name)
+                if reason is not None:
+                    return reason
+                continue
             groups = e.fast._groups
             stepped = fast_before is None or e.fast_steps == fast_before[i] + 1
             if not e.route.fast or groups is None or not stepped:
@@ -295,29 +335,32 @@ class CapturedStep:
                 plan = e.preparer.plan
                 if plan is None:  # (also at the capture: the head compared the plan objects)
                     continue
-                params, chunks, locals_, local_ptrs = next(rows)
+                params, chunks, locals_, local_ptrs, state = next(rows)
                 if not (
                     params is plan.params
                     and _unmoved(chunks)
                     and (not check_all or same_addresses(locals_, local_ptrs))
+                    and (not state or all(map(_is, _state_locals(e, params), state)))
                 ):
                     return False
         return True
 
-    def _rows_of(self, captured: Inputs) -> list[tuple[Any, list[tuple[Any, ...]], Any, Any]]:
+    def _rows_of(self, captured: Inputs) -> list[tuple[Any, ...]]:
         """Per engine with a plan, what ``still_valid`` compares, built once per capture from
-        its ``Inputs``: the captured params list, its ``_chunks`` and the params' local tensors
-        with their addresses. Kept in ``captured.derived`` (it dies with the capture)."""
+        its ``Inputs`` (five lists and two address lists per engine): the captured params list,
+        its ``_chunks``, the params' local tensors with their addresses and Muon's momentum
+        buffers' local tensors. Kept in ``captured.derived`` (it dies with the capture)."""
         if captured.derived is None:
             lists, ptrs = captured.lists, captured.addresses
             captured.derived = [
                 (
-                    lists[4 * i],
-                    _chunks(lists[4 * i : 4 * i + 4], ptrs[2 * i]),
-                    lists[4 * i + 3],
+                    lists[5 * i],
+                    _chunks(lists[5 * i : 5 * i + 4], ptrs[2 * i]),
+                    lists[5 * i + 3],
                     ptrs[2 * i + 1],
+                    lists[5 * i + 4],
                 )
-                for i in range(len(lists) // 4)
+                for i in range(len(lists) // 5)
             ]
         return captured.derived
 
@@ -327,7 +370,7 @@ class CapturedStep:
         (O(params))."""
         w = self.wrapper
         cfg, scaler = w.config, w.grad_scaler
-        objects: list[Any] = [cfg, cfg.grad_stats_group, scaler]
+        objects: list[Any] = [cfg, cfg.grad_stats_group, scaler, w._agreement.buffer]
         long: list[list[Any]] = []
         ptrs: list[list[int]] = []
         values: list[Any] = [
@@ -349,9 +392,14 @@ class CapturedStep:
                 e.table.current(),
                 route_of(opt, precision_aware=e.precision_aware),
             ]
+            whole = e.kind == WHOLE_PARAM
+            if whole:  # the plan the capture stepped (its exchanges' sizes and positions)
+                objects.append(e.whole_plan)
+                values.append(getattr(e.whole_plan, "broken", None))
+            baked = ("params",) if whole else ("params", "lr")  # Muon's lr is a number
             for g in opt.param_groups:
                 objects += [g, g["params"]]
-                values.append(tuple(v for k, v in g.items() if k not in ("params", "lr")))
+                values.append(tuple(v for k, v in g.items() if k not in baked))
             if fast._groups is not None:
                 objects.extend([gc.triton_table for gc in fast._groups])
             if plan is not None and lists:  # O(params); a plan means every grad is a DTensor
@@ -359,16 +407,19 @@ class CapturedStep:
                     grads = list(map(_grad_of, plan.params))
                 grad_locals = list(map(_local_of, grads))
                 locals_ = list(map(_local_of, plan.params))
-                long += [plan.params, grads, grad_locals, locals_]
+                long += [plan.params, grads, grad_locals, locals_, _state_locals(e, plan.params)]
                 ptrs += [addresses(grad_locals), addresses(locals_)]
         return Inputs(objects, tuple(values), long, ptrs)
 
     def _keep_alive(self) -> list[Any]:
-        """What the graph reads that caches may drop (tables, workspaces, the verdict slots):
-        held while the capture lives, so no replay reads freed memory."""
+        """What the graph reads that caches may drop (tables, workspaces, the verdict slots,
+        the device constants of Muon's agreement): held while the capture lives, so no replay
+        reads freed memory."""
+        from .._infra.comm import device_constants
         from ..stats import capture_keepalive
 
-        keep: list[Any] = capture_keepalive()
+        keep: list[Any] = capture_keepalive() + device_constants()
+        keep.append(self.wrapper._agreement.buffer)
         for e in self.wrapper._engines:
             keep.append(e.fast._groups)
             if e.triton is not None:

@@ -82,6 +82,15 @@ class OptimizerConfig:
             batched (on a device whose batched kernels round differently, the result may differ
             from torch's in the last bits). ``False``: never (see the documentation's optimizers
             page).
+        rank_dependent_keys: Keyword-only. Param-group keys whose values may differ between
+            ranks on purpose (e.g. ``("lr",)`` for a per-rank lr experiment). Every step checks,
+            inside its one collective, that every rank's param groups hold the same values for
+            every other key (all but ``params``); a mismatch raises
+            [HyperparameterMismatchError][mfsdp_optim.errors.HyperparameterMismatchError] on
+            every rank before anything changes. Empty (the default): every key is checked. Each
+            rank then updates its own shards with its own values of these keys; meant for
+            elementwise classes (on the whole-param path a param's update uses the values of
+            the rank that computes it, see the documentation's Concepts page).
     """
 
     clip_grad: float = 0.0
@@ -97,6 +106,7 @@ class OptimizerConfig:
     update_kinds: Mapping[type, str] = field(default_factory=dict)
     clip_scope: str | Collection[int] = "global"
     batched_newton_schulz: bool | None = None
+    rank_dependent_keys: Collection[str] = ()
 
     def __post_init__(self) -> None:
         clip = self.clip_grad
@@ -132,6 +142,29 @@ class OptimizerConfig:
         self.batched_newton_schulz = _flag(
             self.batched_newton_schulz, "batched_newton_schulz", allow_none=True
         )
+        self.rank_dependent_keys = _check_keys(self.rank_dependent_keys)
+
+
+def _check_keys(keys: object) -> tuple[str, ...]:
+    """``rank_dependent_keys`` as a sorted tuple of distinct strings."""
+    if isinstance(keys, str) or not isinstance(keys, Collection):
+        hint = f" (one key: ({keys!r},))" if isinstance(keys, str) else ""
+        raise TypeError(
+            "OptimizerConfig.rank_dependent_keys must be a collection of param-group keys "
+            f"(strings), got {keys!r}{hint}"
+        )
+    bad = [k for k in keys if not isinstance(k, str)]
+    if bad:
+        raise TypeError(
+            f"OptimizerConfig.rank_dependent_keys holds {bad[0]!r}, not a string: name the "
+            "param-group keys whose values may differ between ranks, e.g. ('lr',)"
+        )
+    if "params" in keys:
+        raise ValueError(
+            "OptimizerConfig.rank_dependent_keys names 'params': the params are never compared "
+            "between ranks (each rank holds its own shards); name hyperparameter keys only"
+        )
+    return tuple(sorted(set(keys)))
 
 
 def _check_clip_scope(scope: object) -> str | tuple[int, ...]:

@@ -46,6 +46,7 @@ class Engine:
         # host_sync=False: create a first step's state up front, so the fast step (and its
         # device-side skip) runs from the first step instead of a host read deciding it
         self.state_first = not config.host_sync
+        self.host_sync = config.host_sync
         self.batched_ns = config.batched_newton_schulz
         self.kind = kind_of(optimizer, config.update_kinds)
         aware, self.decoupled = detect_precision_aware(optimizer)
@@ -60,6 +61,12 @@ class Engine:
         self.fast = FastAdamStep()
         self.triton = TritonAdam() if config.triton_adam_step else None
         self.whole_plan: Any = None
+        # the last whole-param step under host_sync=False: Muon's device verdict, whether it
+        # kept its plan (stepped on the device, capturable), and this rank's own failure
+        self._verdict: Any = None
+        self._whole_steady = False
+        self._whole_error: BaseException | None = None
+        self._muon: bool | None = None  # recipe_for(optimizer) == "muon", once asked
         self.route = Route(False, False)
         self.fast_token: object | None = None  # the fast cache this step's grads were put in
         self.fast_steps = 0
@@ -75,7 +82,8 @@ class Engine:
         """Drop every cached view, list and kernel table (rebuilt at the next step)."""
         self.fast.invalidate()
         self.preparer.plan = None
-        self.whole_plan = None
+        if self.whole_plan is not None:  # rebuilt at the next step (kept only to size the
+            self.whole_plan.broken = True  # exchanges of peers that keep theirs: _whole._step)
 
     # ------------------------------------------------------------------------------ prepare
 
@@ -200,12 +208,37 @@ class Engine:
     def skips_on_device(self) -> bool:
         """Whether this step's update can be skipped on the device: the fast Adam step runs and
         every group is fused (torch's fused kernels take ``found_inf``). Elsewhere a skip needs
-        a host read of found_inf (see ``docs/concepts.md``)."""
+        a host read of found_inf (see ``docs/concepts.md``). A whole-param engine can where its
+        update gates its writes on the device: Muon under ``host_sync=False``."""
+        if self.kind == WHOLE_PARAM:
+            return self.whole_on_device()
         return (
             self.fast_token is not None
             and self.fast.ready(self.optimizer, self.table)
             and self.fast.skips_on_device()
         )
+
+    def whole_on_device(self) -> bool:
+        """Whether this engine's whole-param update keeps its verdict on the device (Muon under
+        ``host_sync=False``; the generic path settles on the host through a gloo group)."""
+        if self._muon is None:
+            from ._whole import recipe_for
+
+            self._muon = recipe_for(self.optimizer) == "muon"
+        return self.kind == WHOLE_PARAM and not self.host_sync and self._muon
+
+    def whole_steady(self) -> bool:
+        """Whether the last step's whole-param update kept its plan and ran on the device (the
+        step a CUDA graph can capture): under ``host_sync=False``, Muon, no plan built."""
+        return self._whole_steady
+
+    def take_verdict(self) -> tuple[torch.Tensor | None, BaseException | None]:
+        """The last step's device verdict (a 0-d bool: the update was refused on every rank;
+        None where the step settles on the host) and this rank's own failure, which the
+        wrapper raises once every engine ran; both forgotten here."""
+        verdict, error = self._verdict, self._whole_error
+        self._verdict, self._whole_error = None, None
+        return (None if verdict is None else verdict.bad), error
 
     def current_grads(self, prepared: bool) -> list[DTensor]:
         """The grads statistics and clipping act on now (the cast copies while prepared)."""
@@ -230,8 +263,9 @@ class Engine:
                 self.fast.step(opt, devices, grad_divisor, self.triton, found_inf, one)
                 self.fast_steps += 1
             elif self.kind == WHOLE_PARAM:
-                assert found_inf is None and grad_divisor is None, "whole-param: host-side only"
-                self._whole_step()
+                assert grad_divisor is None, "whole-param: the clip is applied to the grads"
+                assert found_inf is None or self.whole_on_device(), "a device skip needs Muon"
+                self._whole_step(found_inf)
             else:
                 assert found_inf is None, "a device-side skip needs the fast step"
                 self.fast.clear()
@@ -240,10 +274,15 @@ class Engine:
             self.drop_fast()
             self.preparer.restore(table.slots)
 
-    def _whole_step(self) -> None:
+    def _whole_step(self, skip: torch.Tensor | None = None) -> None:
         """Each param's update computed on the whole param (``_whole``), its work grad bound as
-        ``.grad`` for the call (a cast copy in the param's dtype where the grad's differed)."""
-        from ._whole import recipe_for, step_whole_params
+        ``.grad`` for the call (a cast copy in the param's dtype where the grad's differed).
+        Under ``host_sync=False`` the step reads nothing back from the device (``_whole``'s
+        verdict); Muon's is kept for ``take_verdict`` with its writes gated also on ``skip``
+        (a float32 0/1 device gate), and a failure of this rank's is kept to be raised after
+        the other engines ran, as its peers run them."""
+        from .._infra.comm import collective_device
+        from ._whole import DeviceVerdict, recipe_for, step_whole_params
 
         opt = self.optimizer
         # a recipe that computes the update itself (Muon's) never calls the class's step():
@@ -256,19 +295,35 @@ class Engine:
         swapped = [s for s in slots if s.saved_grad is not None]
         for s in swapped:
             s.param.grad = s.work_grad
+        verdict = None
+        if not self.host_sync:
+            verdict = DeviceVerdict(collective_device(self.group), skip)
+        plan = self.whole_plan
+        self._whole_steady = False
         try:
             self.whole_plan = step_whole_params(
                 self.optimizer,
                 [s.param for s in self.table.slots],
                 group=self.group,
-                plan_cache=self.whole_plan,
+                plan_cache=plan,
                 names=[s.fqn for s in self.table.slots],
                 batched_ns=self.batched_ns,
+                verdict=verdict,
             )
+            self._whole_steady = self.whole_on_device() and self.whole_plan is plan
+        except Exception as exc:
+            if verdict is None or not self.whole_on_device():
+                raise
+            verdict.fail(exc)  # raised by the wrapper once the other engines ran
+            self._whole_error = exc
+            if verdict.plan is not None:  # built at this step: its peers keep it too
+                self.whole_plan = verdict.plan
         finally:
             for s in swapped:
                 s.param.grad = s.saved_grad
-        if emulate:
+        if self.whole_on_device():
+            self._verdict = verdict
+        if emulate and self._whole_error is None:  # a refused step runs no post-hooks
             # what the step() wrapper of torch's LRScheduler records when step() runs
             if getattr(vars(opt).get("step"), "_wrapped_by_lr_sched", False):
                 opt._opt_called = True  # type: ignore[attr-defined]

@@ -20,6 +20,7 @@ import torch
 from .._infra.grouping import by_device_dtype
 from ..stats import check_max_norm, clip_divisor, scale_by_clip_coef_
 from . import _checkpointing
+from ._agreed import AgreedSlots
 from ._config import OptimizerConfig
 from ._grad_scaler import GradScaler
 from ._prepared import Prepared, StepResult, clip_norms, prepare, stats_of
@@ -60,8 +61,9 @@ class FullyShardedOptimizer(OptimizerSurface):
 
     Attributes:
         last_update_successful: What the last ``step()`` returned first (None before one): for
-            trainers that discard ``step()``'s return value. A 0-d device
-            bool under ``OptimizerConfig(host_sync=False)``, like the return value.
+            trainers that discard ``step()``'s return value (the documentation's Trainers
+            page). A 0-d device bool under ``OptimizerConfig(host_sync=False)``, like the
+            return value.
         last_grad_norm: The last ``step()``'s pre-clip global grad norm (float, or a 0-d
             float32 device tensor under ``host_sync=False``).
         last_num_zeros: The last ``step()``'s zero count (None unless
@@ -84,6 +86,8 @@ class FullyShardedOptimizer(OptimizerSurface):
         self.last_grad_norm: Any = None
         self.last_num_zeros: Any = None
         self._grad_norms: tuple[Any, ...] = ()
+        # every step's hyperparameter digests, in the stats row (ranks agree on the values)
+        self._agreement = AgreedSlots(self.optimizers, self.config.rank_dependent_keys)
         scope = self.config.clip_scope
         if isinstance(scope, tuple) and scope and scope[-1] >= len(self.optimizers):
             raise ValueError(
@@ -120,6 +124,7 @@ class FullyShardedOptimizer(OptimizerSurface):
         unscale = scaler is not None and scaler.needs_unscale()
         prep = prepare(
             self._engines,
+            agreement=self._agreement,
             inv_scale_on=scaler.inv_scale_on if unscale else None,  # type: ignore[union-attr]
             norm_type=cfg.norm_type,
             count_zeros=cfg.log_num_zeros_in_grad,
@@ -179,13 +184,21 @@ class FullyShardedOptimizer(OptimizerSurface):
 
     def _run_engines(
         self, clip_norms: Sequence[torch.Tensor | None] | None, gate: torch.Tensor | None
-    ) -> None:
+    ) -> torch.Tensor | None:
         """Every engine's base step (clipped to ``config.clip_grad`` by its entry of
         ``clip_norms``; None: unclipped), then stage STEPPED even if one raises; ``gate``: skip
-        on the device where it is 1."""
+        on the device where it is 1.
+
+        Under ``host_sync=False`` a whole-param update that keeps its verdict on the device
+        (Muon) returns it instead of raising: every later engine that skips on the device is
+        gated on it too, and a failure of this rank's own is raised once every engine ran, as
+        its peers, which cannot know of it, run them. Returns the verdicts (a 0-d bool: some
+        update was refused on every rank), or None where there were none."""
         clip = self.config.clip_grad
         pending = list(self._engines)
         norms = list(clip_norms) if clip_norms is not None else [None] * len(pending)
+        refused: torch.Tensor | None = None
+        own: BaseException | None = None
         try:
             while pending:
                 clip_norm = norms[len(norms) - len(pending)]
@@ -197,11 +210,22 @@ class FullyShardedOptimizer(OptimizerSurface):
                         e.clip_folds += 1
                     else:
                         scale_by_clip_coef_(e.preparer.work_locals, clip, clip_norm)
-                e.step(divisor, gate)
+                engine_gate = gate
+                if refused is not None and e.skips_on_device():
+                    flag = refused.to(torch.float32)
+                    engine_gate = flag if gate is None else torch.maximum(gate, flag)
+                e.step(divisor, engine_gate)
+                bad, error = e.take_verdict()
+                if bad is not None:
+                    refused = bad if refused is None else refused | bad
+                own = own or error
         finally:
             for e in pending:  # not stepped (an earlier engine raised): restore their grads
                 e.skip()
             self._stage = Stage.STEPPED
+        if own is not None:
+            raise own
+        return refused
 
     def get_grad_norm(self) -> float:
         """The global ``config.norm_type`` norm of the current grads (one collective)."""
@@ -264,6 +288,15 @@ class FullyShardedOptimizer(OptimizerSurface):
             grad_norm (float): The global norm before clipping (non-finite when the step was
                 skipped).
             num_zeros_in_grad (int | None): None unless ``config.log_num_zeros_in_grad``.
+
+        Raises:
+            HyperparameterMismatchError: On every rank of the grad-stats group, when ranks'
+                param groups hold different values (checked in the step's one collective;
+                nothing changed). With ``host_sync=False`` nothing is read on the host
+                instead: the step returns a NaN norm and is skipped where it can be skipped
+                (see "Ranks agree on hyperparameters" in the documentation's Concepts page).
+            RankFailedError: On the ranks whose own input was fine, when another rank's was
+                refused (that rank raises its own error).
         """
         if closure is not None:
             with torch.enable_grad():
@@ -292,8 +325,13 @@ class FullyShardedOptimizer(OptimizerSurface):
         prep = self._prepare(defer=on_host and scaler is None)
         stats, result = prep.stats, StepResult(prep.seg, prep.host)
         device_skip = None
+        on_device = not on_host and all(e.skips_on_device() for e in self._engines)
+        if scaler is None and on_device and prep.seg.bad is not None:
+            # the device verdict (a rank failed, ranks' hyperparameters or grad presence differ)
+            # gates the update; non-finite grads do not, as without a scaler in stock torch
+            device_skip = prep.seg.bad
         if scaler is not None:
-            if not on_host and all(e.skips_on_device() for e in self._engines):
+            if on_device:
                 device_skip = stats.found_inf
                 scaler.update(device_skip)  # on the device: no host read
             else:
@@ -308,15 +346,19 @@ class FullyShardedOptimizer(OptimizerSurface):
         gate = device_skip if prep.deferred is None else prep.deferred[0]
         cfg = self.config
         clipped = clip_norms(prep.seg, cfg.clip_scope, cfg.norm_type) if cfg.clip_grad > 0 else None
-        self._run_engines(clipped, None if gate is None else gate.to(torch.float32))
+        refused = self._run_engines(clipped, None if gate is None else gate.to(torch.float32))
         if prep.deferred is not None:
             # the collective's verdict (raises on every rank if one failed) and the values: it
             # waits for the stats' host copy, enqueued before the update, not for the update
             result.host = prep.deferred[1]()
         self._grad_norms = result.norms(on_host)
         if device_skip is not None:  # decided on the device
-            return ~device_skip, stats.total_norm, stats.num_zeros
-        return result.values(True, on_host)
+            out = (~device_skip, stats.total_norm, stats.num_zeros)
+        else:
+            out = result.values(True, on_host)
+        if refused is not None:  # a whole-param update refused on the device, on every rank
+            out = (out[0] & ~refused, torch.where(refused, torch.nan, out[1]), out[2])
+        return out
 
     # ------------------------------------------------------------------------------------------
     # checkpoints and grad scaler state

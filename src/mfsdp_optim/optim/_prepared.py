@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from .._infra.comm import all_gather_objects
 from ..stats import (
     PRESENCE_PRIME,
+    AgreedValuesError,
     GradPresenceError,
     GradStats,
     Parts,
@@ -32,6 +33,7 @@ from ..stats import (
     segment_norm,
     segment_stats_of,
 )
+from ._agreed import AgreedSlots
 from ._engine import Engine, check_disjoint
 
 __all__ = ["Prepared", "StepResult", "clip_norms", "prepare", "stats_of"]
@@ -67,6 +69,7 @@ def reduce(
     host_sync: bool,
     in_group: bool,
     presence: tuple[int, int] = (0, 0),
+    agreed: torch.Tensor | None = None,
 ) -> tuple[SegmentStats, list[float] | None]:
     """The stats of ``parts`` (one ``Buckets`` per engine; an exception: this rank failed; it
     joins the collective so no rank waits, then raises) and, with ``host_sync``, their host
@@ -81,6 +84,7 @@ def reduce(
         count_zeros=count_zeros,
         group=group,
         presence=presence,
+        agreed=agreed,
     )
     if not host_sync:
         return reduce_segments(parts, **kw), None
@@ -106,6 +110,7 @@ def stats_of(
 def prepare(
     engines: Sequence[Engine],
     *,
+    agreement: AgreedSlots,
     inv_scale_on: Any,
     norm_type: float,
     count_zeros: bool,
@@ -113,12 +118,17 @@ def prepare(
     host_sync: bool,
     defer: bool,
 ) -> Prepared:
-    """Collect every engine's grads and take their stats in ONE collective.
+    """Collect every engine's grads and take their stats in ONE collective, which also carries
+    this rank's hyperparameter digests (``agreement``): ranks that hold different values raise
+    ``HyperparameterMismatchError`` on every rank (with the verdict read on the host; else the
+    device verdict is bad, see ``SegmentStats.bad``).
 
     ``defer``: where every engine's update can be gated on the device, postpone the
     collective's host-side verdict until the update is enqueued (``reduce_segments_deferred``).
     On an error every engine's work grads are dropped and it is raised after the collective."""
     parts: Parts
+    in_group = engines[0].table.in_stats_group
+    agreed = None
     try:
         for e in engines:  # every engine validated before any grad is changed
             e.check()
@@ -133,15 +143,17 @@ def prepare(
             sum(c for c, _ in sums) % PRESENCE_PRIME,
             sum(d for _, d in sums) % PRESENCE_PRIME,
         )
+        if in_group:
+            agreed = agreement.values(group)
     except Exception as exc:  # joins the collective, so no rank waits, then raises (below)
-        parts, presence = exc, (0, 0)
-    in_group = engines[0].table.in_stats_group
+        parts, presence, agreed = exc, (0, 0), None
     kw: dict[str, Any] = dict(
         segments=len(engines),
         norm_type=norm_type,
         count_zeros=count_zeros,
         group=group,
         presence=presence,
+        agreed=agreed,
     )
     try:
         if (
@@ -151,7 +163,7 @@ def prepare(
             and all(e.skips_on_device() for e in engines)
         ):
             seg, bad, verdict = reduce_segments_deferred(parts, **kw)
-            return Prepared(seg, (bad, _naming(verdict, engines, group)), None)
+            return Prepared(seg, (bad, _naming(verdict, engines, agreement, group)), None)
         seg, host = reduce(parts, host_sync=host_sync, in_group=in_group, **kw)
         return Prepared(seg, None, host)
     except GradPresenceError:
@@ -159,6 +171,10 @@ def prepare(
             e.drop()
         raise_absent_grads(engines, group)
         raise
+    except AgreedValuesError:
+        for e in engines:
+            e.drop()
+        agreement.raise_mismatch(group)
     except Exception:
         for e in engines:
             e.drop()
@@ -166,14 +182,19 @@ def prepare(
 
 
 def _naming(
-    verdict: Callable[[], list[float]], engines: Sequence[Engine], group
+    verdict: Callable[[], list[float]], engines: Sequence[Engine], agreement: AgreedSlots, group
 ) -> Callable[[], list[float]]:
+    """The deferred ``verdict`` with the errors that name params or values: the same exchanges
+    as ``prepare``'s, on every rank alike (every rank saw the same rows)."""
+
     def named() -> list[float]:
         try:
             return verdict()
         except GradPresenceError:
             raise_absent_grads(engines, group)
             raise
+        except AgreedValuesError:
+            agreement.raise_mismatch(group)
 
     return named
 

@@ -21,7 +21,9 @@ from ._layout_check import DuplicatedParam, check_layout
 
 # the wrapper layer's interface (``_seam``): in-package, not public API
 from ._seam import (  # noqa: F401
+    AGREED_WIDTH,
     PRESENCE_PRIME,
+    AgreedValuesError,
     BucketKey,
     Buckets,
     GradPresenceError,

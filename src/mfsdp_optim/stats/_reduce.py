@@ -1,11 +1,13 @@
 """One rank's contribution to the grad statistics, and the one collective that combines them.
 
 Every rank of the grad-stats group sends ONE fixed-size float64 row in ONE all-gather, whatever
-its arguments: ``[norm_slot, zeros, nonfinite | presence (2) | segment norm slots | failed,
-norm_type, count_zeros, magic]``, its contribution (``_math``), the wrapper's grad-presence sums
-(``presence_bad``), one norm slot per *segment* when the grads come in several (the wrapper's
-base optimizers: their norms ride in the same row; a single segment adds no slot) and the verdict
-slots of the rank-agreement protocol
+its arguments: ``[norm_slot, zeros, nonfinite | presence (2) | segment norm slots | agreed (3) |
+failed, norm_type, count_zeros, magic]``, its contribution (``_math``), the wrapper's
+grad-presence sums (``presence_bad``), one norm slot per *segment* when the grads come in several
+(the wrapper's base optimizers: their norms ride in the same row; a single segment adds no slot),
+the caller's *agreed* values (the wrapper's hyperparameter digest: ``AGREED_WIDTH`` floats that
+must be equal on every rank; zeros for the stats functions; ``AgreedValuesError`` on every rank
+when they differ) and the verdict slots of the rank-agreement protocol
 (``_infra.agreement.VerdictSlots``: a refused rank, differing arguments or a foreign row raise on
 every rank; a second, fixed-size all-gather of messages only when a rank failed). Healthy case:
 that one collective, combined locally (a sum, or a max for ``p = inf``); ``host_sync=False``
@@ -22,7 +24,13 @@ import torch
 import torch.distributed as dist
 
 from .._infra import comm
-from .._infra.agreement import RankFailedError, RankMismatchError, VerdictSlots, Wording
+from .._infra.agreement import (
+    RankFailedError,
+    RankMismatchError,
+    VerdictSlots,
+    Wording,
+    by_value,
+)
 from .._infra.comm import HostRead, collective_device
 from . import _fused
 from ._buckets import Buckets
@@ -38,7 +46,9 @@ from ._math import (
 )
 
 __all__ = [
+    "AGREED_WIDTH",
     "PRESENCE_PRIME",
+    "AgreedValuesError",
     "GradPresenceError",
     "GradStats",
     "RankFailedError",
@@ -65,6 +75,19 @@ class StatsArgumentMismatchError(RankMismatchError):
     (raised on every rank), or a peer was inside another collective."""
 
 
+class AgreedValuesError(RankMismatchError):
+    """The ``agreed`` values of the grad-stats row differ between ranks (raised on every rank:
+    every rank saw every rank's row; the wrapper turns it into its own error naming the values).
+
+    Attributes:
+        ranks: Each group rank's agreed values, as floats (equal on every rank).
+    """
+
+    def __init__(self, message: str, ranks: list[tuple[float, ...]]):
+        super().__init__(message)
+        self.ranks = ranks
+
+
 class GradPresenceError(ValueError):
     """Some param has a grad on some ranks of its mesh and None on others (raised on every
     rank of the grad-stats group; the wrapper names the params)."""
@@ -76,11 +99,13 @@ class GradPresenceError(ValueError):
 # (mod the prime) when every param has a grad on all of its mesh's ranks or on none; a param
 # with a grad on k of n ranks (0 < k < n) leaves h * (k / n - [lowest has it]) != 0.
 PRESENCE_PRIME = 2_147_483_647  # 2**31 - 1: float64 sums of such values are exact
+AGREED_WIDTH = 3  # the agreed values every row carries (the wrapper's: a host and two device
+# digests of its hyperparameters)
 
 
 # the row every rank sends: the contribution of _math (slots 0-2), the two presence sums, the
-# segment norm slots (several segments only), then the verdict slots [failed, norm_type,
-# count_zeros, magic] of the rank-agreement protocol
+# segment norm slots (several segments only), the agreed values, then the verdict slots
+# [failed, norm_type, count_zeros, magic] of the rank-agreement protocol
 _SLOTS = VerdictSlots(
     {"norm_type": float, "count_zeros": bool},
     magic=1_836_016_496.0,  # b"mfsp" as an integer: exact in float64
@@ -96,7 +121,8 @@ _SLOTS = VerdictSlots(
 _CONTRIBUTION = NONFINITE_SLOT + 1  # the width of one contribution
 _PRESENCE = _CONTRIBUTION  # the two grad-presence sums
 _SEGMENTS = _PRESENCE + 2  # where the segment norm slots start
-_PRESENCE_CACHE: dict[tuple, torch.Tensor] = {}
+_CONSTANTS: dict[tuple, torch.Tensor] = {}  # _constant_slots
+_NO_AGREED = (0.0,) * AGREED_WIDTH
 
 
 def _segment_width(segments: int) -> int:
@@ -106,7 +132,11 @@ def _segment_width(segments: int) -> int:
 
 
 def _row_width(segments: int) -> int:
-    return _SEGMENTS + _segment_width(segments) + _SLOTS.width
+    return _SEGMENTS + _segment_width(segments) + AGREED_WIDTH + _SLOTS.width
+
+
+# every rank's agreed values and verdict slots: the tail of the row, read on the host together
+_TAIL = AGREED_WIDTH + _SLOTS.width
 
 
 class GradStats(NamedTuple):
@@ -134,11 +164,15 @@ class SegmentStats(NamedTuple):
             device-side verdict found a failed rank (like ``stats.total_norm``).
         slots: 1-D float64, each segment's combined norm slot (``sum |x|**p``, or ``max|x|`` for
             ``p = inf``): what ``segment_norm`` combines for the norm of several segments.
+        bad: 0-d bool on the device, from the device-side verdict (``reduce_segments``): some
+            rank failed, or ranks' arguments, grad presence or agreed values differ; the
+            statistics are then NaN. None where the verdict was read on the host.
     """
 
     stats: GradStats
     norms: torch.Tensor
     slots: torch.Tensor
+    bad: torch.Tensor | None = None
 
 
 def segment_norm(seg: SegmentStats, indices: Sequence[int], norm_type: float) -> torch.Tensor:
@@ -216,14 +250,17 @@ def reduce_segments(
     count_zeros: bool,
     group: dist.ProcessGroup | None,
     presence: tuple[int, int] = (0, 0),
+    agreed: torch.Tensor | None = None,
 ) -> SegmentStats:
     """``reduce_buckets(host_sync=False)`` over ``segments`` segments (``parts``: one
     ``Buckets`` per segment, every rank the same number): the totals and each segment's norm
-    from the same single collective, nothing read on the host."""
+    from the same single collective, nothing read on the host. ``agreed``: ``AGREED_WIDTH``
+    float64 values on the group's device that must be equal on every rank (zeros if None);
+    where they differ, the device verdict is bad (``SegmentStats.bad``)."""
     require_member(group)
     device = collective_device(group)
     rows, failure, p, _ = _gather_rows(
-        parts, norm_type, count_zeros, group, device, segments, presence=presence
+        parts, norm_type, count_zeros, group, device, segments, presence=presence, agreed=agreed
     )
     if failure is not None:
         raise failure
@@ -238,14 +275,16 @@ def reduce_segments_read(
     count_zeros: bool,
     group: dist.ProcessGroup | None,
     presence: tuple[int, int] = (0, 0),
+    agreed: torch.Tensor | None = None,
 ) -> tuple[SegmentStats, list[float]]:
     """``reduce_segments`` with the verdict read on the host, and the statistics on the host
     from the same single read: ``[found_inf, total_norm, num_zeros, *segment norms]`` as
-    floats (``num_zeros`` 0 unless counted)."""
+    floats (``num_zeros`` 0 unless counted). Agreed values that differ: ``AgreedValuesError``
+    on every rank (after the checks of the verdict slots)."""
     require_member(group)
     device = collective_device(group)
     rows, failure, p, world = _gather_rows(
-        parts, norm_type, count_zeros, group, device, segments, True, presence
+        parts, norm_type, count_zeros, group, device, segments, True, presence, agreed
     )
     seg, read = _start_read(rows, failure, p, bool(count_zeros), segments)
     values = _verdict_on_host(read, failure, group, device, world)
@@ -261,6 +300,7 @@ def reduce_buckets_deferred(
     group: dist.ProcessGroup | None,
     segments: int = 1,
     presence: tuple[int, int] = (0, 0),
+    agreed: torch.Tensor | None = None,
 ) -> tuple[SegmentStats, torch.Tensor, Callable[[], list[float]]]:
     """``reduce_segments_read()`` with its host-side verdict postponed: ``(seg, bad, verdict)``.
 
@@ -276,7 +316,7 @@ def reduce_buckets_deferred(
     require_member(group)
     device = collective_device(group)
     rows, failure, p, world = _gather_rows(
-        buckets, norm_type, count_zeros, group, device, segments, True, presence
+        buckets, norm_type, count_zeros, group, device, segments, True, presence, agreed
     )
     seg, read = _start_read(rows, failure, p, bool(count_zeros), segments)
     if seg is None:
@@ -303,10 +343,11 @@ def _gather_rows(
     segments: int,
     host_reads: bool = False,
     presence: tuple[int, int] = (0, 0),
+    agreed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, BaseException | None, float, int]:
-    """This rank's row (contribution, presence sums, segment norm slots, failure flag,
-    arguments, marker) and
-    THE collective: every rank's rows, ``(rows, this rank's failure, p, world)``.
+    """This rank's row (contribution, presence sums, segment norm slots, agreed values, failure
+    flag, arguments, marker) and THE collective: every rank's rows, ``(rows, this rank's
+    failure, p, world)``.
     ``host_reads``: the CPU stats may read their own CPU flags before the collective (see
     ``stats._cpu``). The row's width depends on ``segments`` alone, never on the input."""
     failure = parts if isinstance(parts, BaseException) else None
@@ -332,11 +373,14 @@ def _gather_rows(
         contribution = contribution.to(torch.float64)
     assert contribution is not None
     slots = _SLOTS.encode(device, failure is not None, (p, count_zeros is True))
+    if agreed is None or failure is not None:
+        agreed = _constant_slots(device, _NO_AGREED)
     row = torch.cat(
         [
             contribution[:_CONTRIBUTION],
-            _presence_slots(device, presence),
+            _constant_slots(device, (float(presence[0]), float(presence[1]))),
             contribution[_CONTRIBUTION:],
+            agreed,
             slots,
         ]
     )
@@ -348,18 +392,25 @@ def _gather_rows(
     return rows, failure, p, world
 
 
-def _presence_slots(device: torch.device, presence: tuple[int, int]) -> torch.Tensor:
-    """The two presence sums as float64 on ``device``, made once per value and kept (a fresh
-    host-to-device copy per step could stall the host: see ``VerdictSlots.encode``); copied
-    from pinned memory, so even the first step does not synchronise."""
-    key = (device, int(presence[0]), int(presence[1]))
-    slots = _PRESENCE_CACHE.get(key)
+def _constant_slots(device: torch.device, values: tuple[float, ...]) -> torch.Tensor:
+    """``values`` (the presence sums, zero agreed values) as float64 on ``device``, made once
+    per value and kept (a fresh host-to-device copy per step could stall the host: see
+    ``VerdictSlots.encode``); copied from pinned memory, so even the first step does not
+    synchronise."""
+    key = (device, values)
+    slots = _CONSTANTS.get(key)
     if slots is None:
-        if len(_PRESENCE_CACHE) >= 64:
-            _PRESENCE_CACHE.clear()
-        host = comm.staged_for(device, [float(v) for v in key[1:]], torch.float64)
-        slots = _PRESENCE_CACHE[key] = host.to(device, non_blocking=True)
+        if len(_CONSTANTS) >= 64:
+            _CONSTANTS.clear()
+        host = comm.staged_for(device, list(values), torch.float64)
+        slots = _CONSTANTS[key] = host.to(device, non_blocking=True)
     return slots
+
+
+def agreed_bad(rows: torch.Tensor) -> torch.Tensor:
+    """On the device: some rank's agreed values differ from the first rank's."""
+    agreed = rows[:, -_TAIL : -_SLOTS.width]
+    return (agreed != agreed[:1]).any()
 
 
 def presence_bad(rows: torch.Tensor) -> torch.Tensor:
@@ -380,9 +431,9 @@ def _start_read(
     rows: torch.Tensor, failure: BaseException | None, p: float, count_zeros: bool, segments: int
 ) -> tuple[SegmentStats | None, HostRead]:
     """The statistics (None when this rank failed) and ONE host copy, started now, of every
-    rank's flags followed by the presence verdict and ``[found_inf, total_norm, num_zeros,
-    *segment norms]`` in float64."""
-    flags = rows[:, -_SLOTS.width :].reshape(-1)
+    rank's agreed values and flags followed by the presence verdict and ``[found_inf,
+    total_norm, num_zeros, *segment norms]`` in float64."""
+    flags = rows[:, -_TAIL:].reshape(-1)
     if failure is not None:
         return None, HostRead(flags)
     seg = _finish(rows, p, count_zeros, segments)
@@ -405,11 +456,14 @@ def _verdict_on_host(
     device: torch.device,
     world: int,
 ) -> list[float]:
-    """Wait for ``read`` (``_start_read``) and check every rank's flags (4 numbers per rank);
-    raise on every rank if any failed. Returns the statistics' host values."""
+    """Wait for ``read`` (``_start_read``) and check every rank's flags (4 numbers per rank),
+    then agreed values (3 per rank); raise on every rank if any failed or they differ. Returns
+    the statistics' host values."""
     host = read.wait()
-    width = _SLOTS.width
-    _SLOTS.settle(host[: world * width].view(world, width), failure, group, device)
+    width = _TAIL
+    tail = host[: world * width].view(world, width)
+    _SLOTS.settle(tail[:, AGREED_WIDTH:], failure, group, device)
+    _settle_agreed(tail[:, :AGREED_WIDTH], world)
     if host[world * width]:  # the same sums on every rank: every rank raises here
         raise GradPresenceError(
             "some param has a grad on some ranks of its mesh and None on others (the "
@@ -417,6 +471,17 @@ def _verdict_on_host(
             "have its grad, or none. Nothing was updated."
         )
     return host[world * width + 1 :].tolist()
+
+
+def _settle_agreed(agreed: torch.Tensor, world: int) -> None:
+    """Every rank's agreed values (``world x AGREED_WIDTH``, on the host, the same on every
+    rank): ``AgreedValuesError`` on every rank unless they are equal."""
+    values = [tuple(row) for row in agreed.tolist()]
+    if len(set(values)) > 1:
+        groups = by_value(values)
+        raise AgreedValuesError(
+            f"the agreed values of the {world}-rank grad-stats group differ: {groups}", values
+        )
 
 
 def _finish(rows: torch.Tensor, p: float, count_zeros: bool, segments: int) -> SegmentStats:
@@ -441,14 +506,19 @@ def _device_verdict(rows: torch.Tensor, p: float, count_zeros: bool, segments: i
         found_inf=seg.stats.found_inf | bad,
     )
     return SegmentStats(
-        stats, torch.where(bad, torch.nan, seg.norms), torch.where(bad, torch.nan, seg.slots)
+        stats,
+        torch.where(bad, torch.nan, seg.norms),
+        torch.where(bad, torch.nan, seg.slots),
+        bad,
     )
 
 
 def _bad(rows: torch.Tensor, p: float, count_zeros: bool) -> torch.Tensor:
     """On the device: some rank failed, or the ranks' arguments or markers differ (every rank's
-    meta slots against this healthy rank's own: one comparison, broadcast over the ranks)."""
-    return _SLOTS.bad(rows[:, -_SLOTS.width :], (p, count_zeros)) | presence_bad(rows)
+    meta slots against this healthy rank's own: one comparison, broadcast over the ranks), or
+    the grad-presence sums or the agreed values do."""
+    verdict = _SLOTS.bad(rows[:, -_SLOTS.width :], (p, count_zeros))
+    return verdict | presence_bad(rows) | agreed_bad(rows)
 
 
 def require_member(group: dist.ProcessGroup | None) -> None:

@@ -12,6 +12,8 @@ through a private module; ``tests/infra/test_layers.py`` checks that. What it ge
   row; ``segment_norm`` the norm over several segments; ``segment_stats_of`` the same from
   DTensor grads (bucketing included); ``packed_values`` the host layout;
 - the grad-presence check: ``PRESENCE_PRIME`` (the sums' modulus) and ``GradPresenceError``;
+- the agreed values a caller carries in the row (``agreed=``, ``AGREED_WIDTH`` float64 values
+  that must be equal on every rank) and ``AgreedValuesError`` when they differ;
 - clipping: ``check_max_norm``, ``clip_divisor``, ``scale_by_clip_coef_``; ``check_norm_type``;
 - the captured step: ``capture_keepalive`` (the device buffers a captured graph reads).
 """
@@ -27,7 +29,9 @@ from ._buckets import BucketKey, Buckets, bucket_local_shards, layout_of
 from ._clip import check_max_norm, clip_divisor, scale_by_clip_coef_
 from ._math import check_norm_type
 from ._reduce import (
+    AGREED_WIDTH,
     PRESENCE_PRIME,
+    AgreedValuesError,
     GradPresenceError,
     GradStats,
     Parts,
@@ -40,7 +44,9 @@ from ._reduce import (
 from ._reduce import reduce_buckets_deferred as reduce_segments_deferred
 
 __all__ = [
+    "AGREED_WIDTH",
     "PRESENCE_PRIME",
+    "AgreedValuesError",
     "BucketKey",
     "Buckets",
     "GradPresenceError",
@@ -85,12 +91,13 @@ def segment_stats_of(
 
 def capture_keepalive() -> list[object]:
     """The stats layer's cached device buffers that a captured CUDA graph reads (the fused
-    kernel's argument tables and workspaces, the verdict slots): a capture holds them so that no
-    replay reads memory a cache dropped."""
+    kernel's argument tables and workspaces, the verdict slots, the constant slots of the row):
+    a capture holds them so that no replay reads memory a cache dropped."""
     from . import _fused, _reduce
 
     return [
         list(_fused._table_cache.values()),
         list(_fused._workspaces.values()),
         list(_reduce._SLOTS._cache.values()),
+        list(_reduce._CONSTANTS.values()),
     ]

@@ -4,6 +4,7 @@ _step.py     step_whole_params: the entry point (validation, plan cache, recipe 
 _plan.py     metas -> units (shard groups, receivers, pieces) and owners (LPT); byte counts
 _pieces.py   which elements each mesh coordinate holds; extract/insert pieces of full tensors
 _exchange.py counted all-to-alls of byte messages, a status word per message
+_verdict.py  host_sync=False: the step's verdict kept on the device (Muon)
 _muon.py     Muon: elementwise parts on shards, Newton-Schulz on owners
 _generic.py  any class: its own step() on full tensors on owners
 """
@@ -20,9 +21,11 @@ from ._plan import (
     plan_units,
 )
 from ._step import recipe_for, step_whole_params
+from ._verdict import DeviceVerdict
 
 __all__ = [
     "TRAFFIC",
+    "DeviceVerdict",
     "ParamMeta",
     "Unit",
     "WholeParamPlan",

@@ -15,6 +15,12 @@ ends with what a member of its replica group gets (the replicas' state is the sa
 owner's step is the one their own owner would have run). Optimizer-level state (entries not
 keyed by a param, such as MADGRAD's ``k``) steps on every rank alike. Nothing is written before
 every rank knows every rank succeeded.
+
+With a host-side group (``host``: ``OptimizerConfig(host_sync=False)``), the headers, status
+words and state values that live on the host (a CPU step counter such as Adafactor's ``step``,
+kind ``"h"``) travel through it and only the tensors' bytes through the device group, so the
+package reads nothing back from the device (the class's own ``step()`` reads what it reads:
+torch's Adafactor reads two norms per param on the host, on the owner).
 """
 
 from __future__ import annotations
@@ -26,9 +32,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from ..._infra.comm import collective_device
 from ..._infra.placement import SCALAR_STATE_KEYS, in_layout_of
 from ._checks import partial_grad_message
-from ._exchange import exchange_records, settle, view_as
+from ._exchange import exchange_records, exchange_records_hosted, settle, view_as
 from ._pieces import extract, insert, piece_numel, piece_shape
 from ._plan import WholeParamPlan
 
@@ -95,14 +102,23 @@ def generic_step(
     group_index: Sequence[int],
     plan: WholeParamPlan,
     group: dist.ProcessGroup | None,
+    host: dist.ProcessGroup | None = None,
 ) -> None:
     """One step of the class's own ``step()`` on whole params, after the step's agreement.
 
     The owner steps full copies (param, grad, every state entry), so nothing the class changes
     is live until every rank knows every rank succeeded; an exception anywhere (the class's own
     ``step()`` included) is the rank's status in the next exchange, and after the last one every
-    rank raises alike (``settle``) with no param, state entry or group value changed."""
+    rank raises alike (``settle``) with no param, state entry or group value changed.
+    ``host``: the host-side group of ``group``'s ranks (see the module docstring), or None."""
     units, rank, world = plan.units, plan.rank, plan.world
+    wire = collective_device(group).type  # where the tensors' bytes travel
+
+    def send(direction, records, status):
+        if host is None:
+            return exchange_records(direction, records, status, group)
+        return exchange_records_hosted(direction, records, status, group, host)
+
     error: BaseException | None = None
     mine = dict(zip(plan.local_units, range(len(params)), strict=True))  # unit -> param index
     present = {u: params[i].grad is not None for u, i in mine.items()}
@@ -143,8 +159,8 @@ def generic_step(
     except Exception as exc:  # still takes part in both exchanges, then raises (settle)
         error = exc
         records = [([], []) for _ in range(world)]
-    got, statuses, packing = exchange_records(
-        "generic_in", [(h, t) for h, t in records], int(error is not None), group
+    got, statuses, packing = send(
+        "generic_in", [(h, t) for h, t in records], int(error is not None)
     )
     error = error or packing
     ok = error is None and not any(statuses)
@@ -234,6 +250,13 @@ def generic_step(
                     if _param_shaped(k, v, tuple(full_param.shape)):
                         keys.append((k, "p", str(v.dtype), None, None))
                         tensors.append(extract(v, piece))
+                    elif (
+                        host is not None
+                        and isinstance(v, torch.Tensor)
+                        and (v.device.type != wire and v.device.type == "cpu")
+                    ):  # a host value (a CPU step counter): in the header, never on the device
+                        keys.append((k, "h", None, None, v))
+                        tensors.append(None)
                     elif isinstance(v, torch.Tensor) and str(v.dtype) in _DTYPES:
                         keys.append((k, "r", str(v.dtype), tuple(v.shape), v.device.type))
                         tensors.append(v)
@@ -249,16 +272,14 @@ def generic_step(
         error, ok = exc, False
     if not ok:
         out = [([], []) for _ in range(world)]
-    back, statuses_out, packing = exchange_records(
-        "generic_out", out, int(error is not None), group
-    )
+    back, statuses_out, packing = send("generic_out", out, int(error is not None))
     error = error or packing  # e.g. a group or state value that does not pickle
     if error is not None or any(statuses_out) or any(statuses):
         for g, before in zip(groups, values, strict=True):  # what the class's step set there
             for k in [k for k in g if k != "params" and k not in before]:
                 del g[k]
             g.update(before)
-    settle(error, [*statuses, *statuses_out], group)
+    settle(error, [*statuses, *statuses_out], host if host is not None else group)
     # every rank succeeded: read the results, then write the params and their state
     for r, (header, raw) in enumerate(back):
         if r == rank or header is None:
@@ -268,7 +289,7 @@ def generic_step(
             piece = units[u].piece_for(rank)
             tensors = []
             for _, kind, dt, shape, _ in got_keys:
-                if kind in ("v", "g"):
+                if kind in ("v", "g", "h"):
                     tensors.append(None)
                     continue
                 dtype = _dtype(dt)
@@ -330,9 +351,9 @@ def _step_on(
 
 
 def _stock_eps1(optimizer: torch.optim.Optimizer, saved: list[list[torch.Tensor]]) -> dict:
-    """torch's Adafactor with ``eps=(None, eps2)`` takes eps1 from the dtype of the first param
-    of the group that has a grad; an owner sees only its own params, so each such group gets
-    that value for the call: ``{group index: (the group's eps, the eps to step with)}``."""
+    """torch's Adafactor with ``eps=(None, eps2)`` takes eps1 from one dtype for the whole
+    group (``_eps1_dtype``); an owner sees only its own params, so each such group gets that
+    value for the call: ``{group index: (the group's eps, the eps to step with)}``."""
     adafactor = getattr(torch.optim, "Adafactor", None)
     if adafactor is None or not isinstance(optimizer, adafactor):
         return {}
@@ -341,11 +362,29 @@ def _stock_eps1(optimizer: torch.optim.Optimizer, saved: list[list[torch.Tensor]
         eps = g.get("eps")
         if not (isinstance(eps, (tuple, list)) and len(eps) == 2 and eps[0] is None):
             continue
-        first = next((p for p in lst if p.grad is not None), None)
-        if first is not None:
-            pair = (torch.finfo(first.dtype).eps, eps[1])
+        dtype = _eps1_dtype([p for p in lst if p.grad is not None], bool(g.get("foreach")))
+        if dtype is not None:
+            pair = (torch.finfo(dtype).eps, eps[1])
             out[gi] = (eps, pair if isinstance(eps, tuple) else list(pair))
     return out
+
+
+def _eps1_dtype(with_grad: list[torch.Tensor], foreach: bool) -> torch.dtype | None:
+    """The dtype whose eps torch's Adafactor takes as eps1 for a group whose params with a grad
+    are ``with_grad`` (None: none has a grad). The for-loop step takes the first param's; the
+    foreach step the first (device, dtype) bucket's, in the order of torch's own grouping
+    (its C++ map's, not the params'), so that grouping is asked, on the local tensors, which
+    have the params' dtypes and this rank's device."""
+    if not with_grad:
+        return None
+    if not foreach:
+        return with_grad[0].dtype
+    local: list[torch.Tensor | None] = [
+        p._local_tensor if isinstance(p, DTensor) else p for p in with_grad
+    ]
+    buckets = torch.optim.Optimizer._group_tensors_by_device_and_dtype([local])
+    _, dtype = next(iter(buckets))
+    return dtype if dtype is not None else with_grad[0].dtype
 
 
 def _same_value(a: object, b: object) -> bool:
@@ -395,6 +434,18 @@ def _apply(optimizer, p: DTensor, keys: list[tuple], tensors: list) -> None:
             new[k] = value
             continue
         prev = old.get(k)
+        if kind == "h":  # a host tensor from the header (or this owner's own result)
+            t = value
+            if (
+                isinstance(prev, torch.Tensor)
+                and not isinstance(prev, DTensor)
+                and (prev.shape == t.shape and prev.dtype == t.dtype and prev.device == t.device)
+            ):
+                prev.copy_(t)
+                new[k] = prev
+            else:
+                new[k] = t.clone()
+            continue
         if kind == "p":
             t = t.to(local.device).view(local.shape)
             if (

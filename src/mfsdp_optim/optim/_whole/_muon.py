@@ -22,15 +22,16 @@ from torch.distributed.tensor import DTensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from torch.optim.optimizer import _to_scalar
 
-from ..._infra.comm import collective_device
+from ..._infra.comm import collective_device, uploaded
 from ..._infra.placement import in_layout_of
 from ._checks import partial_grad_message
-from ._exchange import Outbox, Part, exchange, settle, view_as
+from ._exchange import Outbox, Part, exchange, exchange_on_device, settle, view_as
 from ._ns_probe import batched_is_exact
 from ._pieces import Piece, extract, insert, piece_numel, piece_shape
 from ._plan import NS_BYTES, STATUS_BYTES, Unit, WholeParamPlan, flag_bytes, muon_splits
+from ._verdict import DeviceVerdict
 
-__all__ = ["batched_newton_schulz", "muon_step", "newton_schulz_all"]
+__all__ = ["batched_newton_schulz", "muon_step", "muon_take_part", "newton_schulz_all"]
 
 U8 = torch.uint8
 BF16 = torch.bfloat16
@@ -116,6 +117,26 @@ def _recv_out(plan: WholeParamPlan, present: list[bool], alias: list[bool]) -> l
     return cached[1]
 
 
+def _slot_alias(plan: WholeParamPlan) -> list[bool]:
+    """Device mode: the units whose result travels with a slot for the normalised input (an
+    aliased bfloat16 momentum buffer), from the plan alone: the bfloat16 params."""
+    key = ("muon_slot_alias", plan.digest)
+    if key not in plan.slot:
+        plan.slot[key] = [u.meta.dtype == str(BF16) for u in plan.units]
+    return plan.slot[key]
+
+
+def _out_sizes_on_device(plan: WholeParamPlan) -> tuple[list[int], list[int]]:
+    """Device mode: the second exchange's payload bytes to and from each peer (status words
+    excluded), from the plan alone: every unit as if it had a grad, the normalised input's slot
+    where ``_slot_alias``."""
+    key = ("muon_out_on_device", plan.digest)
+    if key not in plan.slot:
+        _, _, send, recv = muon_splits(plan.units, plan.rank, plan.world, None, _slot_alias(plan))
+        plan.slot[key] = tuple([n - STATUS_BYTES if n else 0 for n in s] for s in (send, recv))
+    return plan.slot[key]
+
+
 def muon_step(
     optimizer: torch.optim.Optimizer,
     params: Sequence[DTensor],
@@ -123,6 +144,7 @@ def muon_step(
     plan: WholeParamPlan,
     group: dist.ProcessGroup | None,
     batched: bool | None = False,
+    verdict: DeviceVerdict | None = None,
 ) -> None:
     """One Muon step of ``params`` (``groups[i]`` is params[i]'s param group), after the step's
     agreement. Nothing is written before every rank knows that every rank succeeded: the new
@@ -136,176 +158,389 @@ def muon_step(
     also send their piece of the Newton-Schulz input. The owner sends each of them what ITS
     flags ask for, so the sizes match whatever happened on the owner.
 
+    ``verdict`` (``OptimizerConfig(host_sync=False)``): nothing is read on the host. The sizes
+    of both exchanges follow the plan alone (every unit as if it had a grad; the normalised
+    input's slot for every bfloat16 param), the owner compares the flags it received with its
+    own on the device, status words are written from and folded into ``verdict``, and every
+    write is gated on ``verdict.gate()``. A rank that failed (``verdict.error`` set before the
+    call, or failing in it) takes part with filler and raises its own error after the last
+    exchange; the others change nothing and find ``verdict.bad`` set.
+
     Copies: a member casts its piece to bfloat16 straight into the send buffer, an owner its own
     piece straight into the whole matrix (a unit held whole by its owner alone, as on one rank:
     torch's own cast, no further copy); the owner adds its piece of the result as a view of
     Newton-Schulz's output and copies each peer's piece once, into the send buffer; a tall
     matrix's result travels transposed where the receiver's view then has torch's strided
     layout (no copy there)."""
-    units, rank, world = plan.units, plan.rank, plan.world
-    error: BaseException | None = None
-    mine = dict(zip(plan.local_units, range(len(params)), strict=True))  # unit -> param index
-    flags = dict.fromkeys(mine, 0)  # what this rank tells the owners (sizes follow them)
-    try:
-        for u, i in mine.items():
-            flags[u] = _flags(optimizer, params[i], groups[i])
-    except Exception as exc:  # its flags stay 0 (absent): the sizes still agree
-        error = exc
-    present = [False] * len(units)
-    alias = [False] * len(units)
-    for u, f in flags.items():
-        present[u], alias[u] = bool(f & 1), bool(f & 2)
+    _MuonStep(optimizer, params, groups, plan, group, verdict).run(batched)
+
+
+def muon_take_part(
+    plan: WholeParamPlan, group: dist.ProcessGroup | None, verdict: DeviceVerdict
+) -> None:
+    """Device mode, a rank that cannot step with ``plan`` (it rebuilt its own plan while its
+    peers kept this one): both exchanges of ``plan`` with filler and a failed status word
+    (``verdict.error`` is set), so the peers are not left waiting and their step is refused."""
+    device = collective_device(group)
     inward = _inward(plan)
-    box = Outbox(inward.send, rank, collective_device(group))
-    fulls: dict[int, torch.Tensor] = {}  # owned unit -> the whole bfloat16 Newton-Schulz input
-    new_bufs: dict[int, torch.Tensor] = {}  # unit -> the new momentum (local), written last
-    scale: dict[int, tuple[float, float]] = {}  # unit -> (weight decay factor, adjusted lr)
-    try:
-        for u, i in mine.items():
-            if not present[u] or error is not None:
+    box = Outbox(inward.send, plan.rank, device)
+    box.buf.zero_()
+    box.send_on_device("muon_in", inward.recv, verdict, group, plan.slot)
+    send, recv = _out_sizes_on_device(plan)
+    filler = [[torch.zeros(n, dtype=U8, device=device)] if n else [] for n in send]
+    exchange_on_device("muon_out", filler, recv, verdict, group, plan.slot)
+
+
+class _MuonStep:
+    """The phases of one ``muon_step`` (see there), on one rank."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: Sequence[DTensor],
+        groups: Sequence[dict],
+        plan: WholeParamPlan,
+        group: dist.ProcessGroup | None,
+        verdict: DeviceVerdict | None,
+    ):
+        self.opt, self.params, self.groups = optimizer, params, groups
+        self.plan, self.group, self.verdict = plan, group, verdict
+        self.units, self.rank, self.world = plan.units, plan.rank, plan.world
+        self.device = collective_device(group)
+        self.error: BaseException | None = verdict.error if verdict is not None else None
+        self.mine = dict(zip(plan.local_units, range(len(params)), strict=True))  # unit -> i
+        self.flags = dict.fromkeys(self.mine, 0)  # what this rank tells the owners
+        self.present = [False] * len(self.units)
+        self.alias = [False] * len(self.units)
+        self.slot_alias = _slot_alias(plan) if verdict is not None else None
+        self.fulls: dict[int, torch.Tensor] = {}  # owned unit -> whole bfloat16 NS input
+        self.new_bufs: dict[int, torch.Tensor] = {}  # unit -> the new momentum, written last
+        self.scale: dict[int, tuple[float, float]] = {}  # unit -> (decay factor, adjusted lr)
+        self.peer_flags: dict[tuple[int, int], int] = {}  # host mode: (unit, holder) -> flags
+        self.results: dict[int, torch.Tensor] = {}  # unit -> this rank's piece of the result
+        self.after_alias: dict[int, torch.Tensor] = {}  # unit -> its piece, normalised
+
+    def fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+
+    def run(self, batched: bool | None) -> None:
+        self.read_flags()
+        inward = _inward(self.plan)
+        box = Outbox(inward.send, self.rank, self.device)
+        self.fill_inward(box, inward)
+        received, statuses = self.send_inward(box, inward)
+        offsets = self.take_peer_flags(received, inward)
+        ok = self.assemble(received, offsets, self.error is None and not any(statuses))
+        orthogonal = self.orthogonalise(ok, batched)
+        back, statuses_out = self.send_outward(ok, orthogonal)
+        if self.verdict is None:
+            settle(self.error, [*statuses, *statuses_out], self.group)
+        else:
+            self.verdict.raise_own()
+        # every rank succeeded (or, on the device, the writes are gated): results, then writes
+        self.read_results(back)
+        self.write()
+
+    # --------------------------------------------------------------------- before the exchange
+
+    def read_flags(self) -> None:
+        if self.error is None:
+            try:
+                for u, i in self.mine.items():
+                    self.flags[u] = _flags(self.opt, self.params[i], self.groups[i])
+            except Exception as exc:  # its flags stay 0 (absent): the sizes still agree
+                self.fail(exc)
+        for u, f in self.flags.items():
+            self.present[u], self.alias[u] = bool(f & 1), bool(f & 2)
+        slots = self.slot_alias
+        if slots is not None and self.error is None:
+            for u in self.mine:
+                if self.alias[u] and not slots[u]:
+                    meta = self.units[u].meta
+                    self.fail(
+                        ValueError(
+                            f"param {meta.name!r}: its momentum_buffer is bfloat16 and nesterov "
+                            "is off, so torch's Muon normalises the buffer in place, but the "
+                            f"param is {meta.dtype}: under OptimizerConfig(host_sync=False) the "
+                            "exchange sizes follow the param's dtype. Keep the buffer in the "
+                            "param's dtype (as torch creates it), or pass host_sync=True; "
+                            "nothing was updated on any rank"
+                        )
+                    )
+                    break
+
+    def fill_inward(self, box: Outbox, inward: _Inward) -> None:
+        """The new momentum of every local unit with a grad, and each member's piece of the
+        Newton-Schulz input, cast into the send buffer (an owner's into its whole matrix)."""
+        units, rank = self.units, self.rank
+        try:
+            for u, i in self.mine.items():
+                if not self.present[u] or self.error is not None:
+                    continue
+                p, g = self.params[i], self.groups[i]
+                grad = p.grad._local_tensor  # type: ignore[union-attr]
+                old = self.opt.state.get(p, {}).get("momentum_buffer")
+                momentum = g["momentum"]
+                if old is None:
+                    buf = torch.zeros_like(grad).lerp_(grad, 1 - momentum)
+                else:
+                    local_old = old._local_tensor if isinstance(old, DTensor) else old
+                    if local_old.shape != grad.shape:
+                        raise ValueError(
+                            f"param {self.plan.metas[i].name!r}: its momentum_buffer's local "
+                            f"shard is {tuple(local_old.shape)}, its grad's {tuple(grad.shape)}: "
+                            "the state does not belong to this layout (load it again, or reset "
+                            "the state)"
+                        )
+                    buf = local_old.lerp(grad, 1 - momentum)
+                self.new_bufs[u] = buf
+                update = grad.lerp(buf, momentum) if g["nesterov"] else buf  # buf where alias
+                unit = units[u]
+                if unit.owner == rank:
+                    self.fulls[u] = _own_input(unit, rank, update)
+                elif u in inward.slot:  # a member: its piece, cast as torch casts, into place
+                    owner, offset = inward.slot[u]
+                    box.put(owner, offset, (update, BF16))
+                lr = _to_scalar(g["lr"])
+                self.scale[u] = (
+                    1 - lr * g["weight_decay"],
+                    _adjust_lr(lr, g["adjust_lr_fn"], p.shape),
+                )
+        except Exception as exc:  # still takes part in both exchanges, then raises
+            self.fail(exc)
+        for u, (owner, offset) in inward.slot.items():
+            if not self.present[u] and self.error is None:  # no grad here: zeros of the size
+                box.zero(owner, offset, piece_numel(units[u].piece_for(rank)) * NS_BYTES)
+        if self.error is not None:  # the payload is filler: every rank refuses the step
+            box.buf.zero_()
+
+    def send_inward(self, box: Outbox, inward: _Inward) -> tuple[list[torch.Tensor], list[int]]:
+        if self.verdict is None:
+            heads: list[torch.Tensor | None] = [None] * self.world
+            for owner, us in enumerate(inward.to_owner):
+                if us:
+                    head = torch.zeros(flag_bytes(len(us)), dtype=U8)
+                    head[: len(us)] = torch.tensor([self.flags[u] for u in us], dtype=U8)
+                    heads[owner] = head
+            return box.send("muon_in", inward.recv, int(bool(self.error)), self.group, heads)
+        if self.error is not None:
+            self.verdict.fail(self.error)
+        heads_on_device = self._heads_on_device(box, inward)
+        parts = box.send_on_device(
+            "muon_in", inward.recv, self.verdict, self.group, self.plan.slot, heads_on_device
+        )
+        return parts, []
+
+    def _heads_on_device(self, box: Outbox, inward: _Inward) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device mode: where each owner's flag bytes go in the send buffer (made once per plan)
+        and the bytes (made once per flags pattern), as device tensors."""
+        plan, device = self.plan, self.device
+        key = ("muon_heads_at", plan.digest)
+        if key not in plan.slot:
+            at = [
+                box.starts[r] + STATUS_BYTES + j
+                for r, us in enumerate(inward.to_owner)
+                if us
+                for j in range(flag_bytes(len(us)))
+            ]
+            plan.slot[key] = uploaded(device, at, torch.int64)
+        pattern = tuple(
+            b
+            for us in inward.to_owner
+            if us
+            for b in (*(self.flags[u] for u in us), *[0] * (flag_bytes(len(us)) - len(us)))
+        )
+        cached = plan.slot.get(("muon_heads", plan.digest))
+        if cached is None or cached[0] != pattern:
+            values = uploaded(device, list(pattern), U8)
+            cached = plan.slot[("muon_heads", plan.digest)] = (pattern, values)
+        return plan.slot[key], cached[1]
+
+    # ------------------------------------------------------------------------------- the owner
+
+    def take_peer_flags(self, received: list[torch.Tensor], inward: _Inward) -> list[int]:
+        """Every member's and receiver's flags: read on the host (host mode), or compared with
+        this owner's own on the device (device mode: a difference is a failure). Returns where
+        each peer's pieces start in its message."""
+        offsets = [0] * self.world
+        firsts = [received[m][: len(us)] for m, us in enumerate(inward.from_peer) if us]
+        for m, us in enumerate(inward.from_peer):
+            if us:
+                offsets[m] = flag_bytes(len(us))
+        if not firsts:
+            return offsets
+        if self.verdict is not None:
+            expected = tuple(self.flags.get(u, 0) for us in inward.from_peer for u in us)
+            key = ("muon_expected", self.plan.digest)
+            cached = self.plan.slot.get(key)
+            if cached is None or cached[0] != expected:
+                values = uploaded(self.device, list(expected), U8)
+                cached = self.plan.slot[key] = (expected, values)
+            self.verdict.fold((torch.cat(firsts) != cached[1]).any())
+            return offsets
+        got = torch.cat(firsts).cpu().tolist()  # every peer's flags: ONE read
+        at = 0
+        for m, us in enumerate(inward.from_peer):
+            if us:
+                self.peer_flags.update(
+                    {(u, m): int(f) for u, f in zip(us, got[at : at + len(us)], strict=True)}
+                )
+                at += len(us)
+        return offsets
+
+    def _holder_flags(self, u: int, holder: int) -> int:
+        """A holder's flags for unit ``u`` as this owner knows them (device mode: its own, which
+        every holder's must equal)."""
+        if holder == self.rank or self.verdict is not None:
+            return self.flags[u]
+        return self.peer_flags[(u, holder)]
+
+    def assemble(self, received: list[torch.Tensor], offsets: list[int], ok: bool) -> bool:
+        """The whole Newton-Schulz input of every owned unit with a grad (host mode: after
+        checking that its holders agree on the grad's presence and the alias)."""
+        rank = self.rank
+        for u, unit in enumerate(self.units):
+            if unit.owner != rank:
                 continue
-            p, g = params[i], groups[i]
-            grad = p.grad._local_tensor  # type: ignore[union-attr]
-            old = optimizer.state.get(p, {}).get("momentum_buffer")
-            momentum = g["momentum"]
-            if old is None:
-                buf = torch.zeros_like(grad).lerp_(grad, 1 - momentum)
+            holders = unit.holders
+            if self.verdict is None:
+                unit_flags = [self._holder_flags(u, m) for m in holders]
+                if ok and len(set(unit_flags)) > 1:
+                    self.fail(ValueError(_mismatch(unit.meta.name, holders, unit_flags)))
+                    ok = False
+            if ok and self.present[u]:
+                try:
+                    full = self.fulls[u]
+                    for member, piece in zip(unit.members, unit.pieces, strict=True):
+                        if member != rank:
+                            n = piece_numel(piece) * NS_BYTES
+                            raw = received[member][offsets[member] : offsets[member] + n]
+                            data = view_as(raw, BF16, piece_shape(piece)).to(full.device)
+                            insert(full, piece, data)
+                except Exception as exc:  # reported in the second exchange's status word
+                    self.fail(exc)
+                    ok = False
+            for member, piece in zip(unit.members, unit.pieces, strict=True):
+                if member != rank:
+                    offsets[member] += piece_numel(piece) * NS_BYTES
+        return ok
+
+    def orthogonalise(self, ok: bool, batched: bool | None) -> dict[int, torch.Tensor]:
+        if not (ok and self.fulls):
+            return {}
+        try:
+            groups = {u: self.groups[self.mine[u]] for u in self.fulls}
+            return newton_schulz_all(self.fulls, groups, batched)
+        except Exception as exc:  # reported in the second exchange's status word
+            self.fail(exc)
+            return {}
+
+    def send_outward(
+        self, ok: bool, orthogonal: dict[int, torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        """Each member and receiver gets its piece of the result (and of the normalised input
+        where it aliases): host mode what ITS flags ask for, so the sizes match whatever
+        happened here; device mode every unit with the plan's slots, filler where nothing was
+        computed."""
+        rank, on_device = self.rank, self.verdict is not None
+        out: list[list[Part]] = [[] for _ in range(self.world)]
+        for u, unit in enumerate(self.units):
+            if unit.owner != rank:
+                continue
+            orth, normalised = orthogonal.get(u), self.fulls.get(u)
+            have = ok and orth is not None and normalised is not None
+            shape = unit.meta.shape
+            for holder, piece in unit.holder_pieces():
+                f = self._holder_flags(u, holder)
+                if holder == rank:
+                    if f & 1 and have:
+                        self.results[u] = _own_result(orth, piece, shape)  # type: ignore[arg-type]
+                        if f & 2 and normalised is not self.new_bufs.get(u):
+                            self.after_alias[u] = _piece_view(normalised, piece)  # type: ignore[arg-type]
+                    continue  # else nothing is written (refused, or no grad)
+                if on_device:
+                    parts = [_wire_result(orth, piece, shape) if have else self._zeros(piece)]  # type: ignore[arg-type]
+                    if self.slot_alias[u]:  # type: ignore[index]
+                        aliased = have and f & 2
+                        parts.append(
+                            _piece_view(normalised, piece) if aliased else self._zeros(piece)  # type: ignore[arg-type]
+                        )
+                elif not f & 1:
+                    continue
+                elif have:
+                    parts = [_wire_result(orth, piece, shape)]  # type: ignore[arg-type]
+                    if f & 2:
+                        parts.append(_piece_view(normalised, piece))  # type: ignore[arg-type]
+                else:  # filler of the agreed size: every rank raises after this exchange
+                    filler = torch.zeros(piece_shape(piece), dtype=BF16)
+                    parts = [filler] * (2 if f & 2 else 1)
+                out[holder].extend(parts)
+        if self.verdict is None:
+            recv = _recv_out(self.plan, self.present, self.alias)
+            return exchange("muon_out", out, recv, int(self.error is not None), self.group)
+        if self.error is not None:
+            self.verdict.fail(self.error)
+        recv = _out_sizes_on_device(self.plan)[1]
+        back = exchange_on_device("muon_out", out, recv, self.verdict, self.group, self.plan.slot)
+        return back, []
+
+    def _zeros(self, piece: Piece) -> torch.Tensor:
+        return torch.zeros(piece_shape(piece), dtype=BF16, device=self.device)
+
+    # ------------------------------------------------------------------- after the exchanges
+
+    def read_results(self, back: list[torch.Tensor]) -> None:
+        rank, on_device = self.rank, self.verdict is not None
+        offsets = [0] * self.world
+        for u, unit in enumerate(self.units):
+            if u not in self.mine or unit.owner == rank:
+                continue
+            if not (self.present[u] or on_device):
+                continue  # host mode: nothing was sent for it
+            pshape = piece_shape(unit.piece_for(rank))
+            n = math.prod(pshape) * NS_BYTES
+            src, o = back[unit.owner], offsets[unit.owner]
+            slots = self.slot_alias[u] if on_device else self.alias[u]  # type: ignore[index]
+            if self.present[u]:
+                device = self.params[self.mine[u]]._local_tensor.device
+                self.results[u] = _received_result(src[o : o + n], unit.meta.shape, pshape, device)
+                if self.alias[u]:
+                    self.after_alias[u] = view_as(src[o + n : o + 2 * n], BF16, pshape)
+            offsets[unit.owner] = o + n * (2 if slots else 1)
+
+    def write(self) -> None:
+        """The momentum buffers and the params; device mode: each write gated on the verdict
+        (the old values kept, bit for bit, where it says so)."""
+        gate = self.verdict.gate() if self.verdict is not None else None
+        for u, i in self.mine.items():
+            if not self.present[u]:
+                continue
+            p = self.params[i]
+            local = p._local_tensor
+            buf = self.new_bufs[u]
+            if u in self.after_alias:  # the normalised input (torch normalises in place)
+                buf.copy_(self.after_alias[u].to(buf.device).view(buf.shape))
+            state = self.opt.state[p]
+            old = state.get("momentum_buffer")
+            decay, adjusted = self.scale[u]
+            if gate is None:
+                if old is None:
+                    state["momentum_buffer"] = in_layout_of(buf, p)
+                else:
+                    (old._local_tensor if isinstance(old, DTensor) else old).copy_(buf)
+                local.mul_(decay)
+                local.add_(self.results[u], alpha=-adjusted)
+                continue
+            if old is None:  # a first step's buffer: zeros where refused (what it starts from)
+                kept = torch.where(gate, torch.zeros_like(buf), buf)
+                state["momentum_buffer"] = in_layout_of(kept, p)
             else:
                 local_old = old._local_tensor if isinstance(old, DTensor) else old
-                if local_old.shape != grad.shape:
-                    raise ValueError(
-                        f"param {plan.metas[i].name!r}: its momentum_buffer's local shard is "
-                        f"{tuple(local_old.shape)}, its grad's {tuple(grad.shape)}: the state "
-                        "does not belong to this layout (load it again, or reset the state)"
-                    )
-                buf = local_old.lerp(grad, 1 - momentum)
-            new_bufs[u] = buf
-            update = grad.lerp(buf, momentum) if g["nesterov"] else buf  # is buf where alias[u]
-            unit = units[u]
-            if unit.owner == rank:
-                fulls[u] = _own_input(unit, rank, update)
-            elif u in inward.slot:  # a member: its piece, cast as torch casts, into place
-                owner, offset = inward.slot[u]
-                box.put(owner, offset, (update, BF16))
-            lr = _to_scalar(g["lr"])
-            scale[u] = (1 - lr * g["weight_decay"], _adjust_lr(lr, g["adjust_lr_fn"], p.shape))
-    except Exception as exc:  # still takes part in both exchanges, then raises (settle)
-        error = exc
-    for u, (owner, offset) in inward.slot.items():
-        if not present[u] and error is None:  # no grad here: zeros of the agreed size
-            box.zero(owner, offset, piece_numel(units[u].piece_for(rank)) * NS_BYTES)
-    if error is not None:  # the payload is filler: every rank raises after the last exchange
-        box.buf.zero_()
-    heads: list[torch.Tensor | None] = [None] * world
-    for owner, us in enumerate(inward.to_owner):
-        if us:
-            head = torch.zeros(flag_bytes(len(us)), dtype=U8)
-            head[: len(us)] = torch.tensor([flags[u] for u in us], dtype=U8)
-            heads[owner] = head
-    received, statuses = box.send("muon_in", inward.recv, int(bool(error)), group, heads)
-    # owners: every member's and receiver's flags, then assemble, orthogonalise, cut the result
-    peer_flags: dict[tuple[int, int], int] = {}  # (unit, member or receiver) -> its flags
-    offsets = [0] * world
-    firsts = [received[m][: len(us)] for m, us in enumerate(inward.from_peer) if us]
-    got = torch.cat(firsts).cpu().tolist() if firsts else []  # every peer's flags: ONE read
-    at = 0
-    for m, us in enumerate(inward.from_peer):
-        if us:
-            peer_flags.update(
-                {(u, m): int(f) for u, f in zip(us, got[at : at + len(us)], strict=True)}
-            )
-            at += len(us)
-            offsets[m] = flag_bytes(len(us))
-    ok = error is None and not any(statuses)
-    for u, unit in enumerate(units):
-        if unit.owner != rank:
-            continue
-        holders = unit.holders
-        unit_flags = [flags[u] if m == rank else peer_flags[(u, m)] for m in holders]
-        if ok and len(set(unit_flags)) > 1:
-            error, ok = ValueError(_mismatch(unit.meta.name, holders, unit_flags)), False
-        if ok and present[u]:
-            try:
-                full = fulls[u]
-                for member, piece in zip(unit.members, unit.pieces, strict=True):
-                    if member != rank:
-                        n = piece_numel(piece) * NS_BYTES
-                        raw = received[member][offsets[member] : offsets[member] + n]
-                        data = view_as(raw, BF16, piece_shape(piece)).to(full.device)
-                        insert(full, piece, data)
-            except Exception as exc:  # reported in the second exchange's status word
-                error, ok = exc, False
-        for member, piece in zip(unit.members, unit.pieces, strict=True):
-            if member != rank:
-                offsets[member] += piece_numel(piece) * NS_BYTES
-    orthogonal: dict[int, torch.Tensor] = {}
-    if ok and fulls:
-        try:
-            orthogonal = newton_schulz_all(fulls, {u: groups[mine[u]] for u in fulls}, batched)
-        except Exception as exc:  # reported in the second exchange's status word
-            error, ok = exc, False
-    # each member and receiver gets what ITS flags ask for, so the sizes match whatever
-    # happened here
-    out: list[list[Part]] = [[] for _ in range(world)]
-    results: dict[int, torch.Tensor] = {}  # unit -> this rank's piece of the result, as added
-    after_alias: dict[int, torch.Tensor] = {}  # unit -> its piece of the normalised input
-    for u, unit in enumerate(units):
-        if unit.owner != rank:
-            continue
-        orth, normalised = orthogonal.get(u), fulls.get(u)
-        shape = unit.meta.shape
-        for holder, piece in unit.holder_pieces():
-            f = flags[u] if holder == rank else peer_flags[(u, holder)]
-            if not f & 1:
-                continue
-            if holder == rank:
-                if ok and orth is not None and normalised is not None:
-                    results[u] = _own_result(orth, piece, shape)
-                    if f & 2 and normalised is not new_bufs.get(u):
-                        after_alias[u] = _piece_view(normalised, piece)
-                continue  # else nothing is written: every rank raises after this exchange
-            if ok and orth is not None and normalised is not None:
-                parts: list[Part] = [_wire_result(orth, piece, shape)]
-                if f & 2:
-                    parts.append(_piece_view(normalised, piece))
-            else:  # filler of the agreed size: every rank raises after this exchange
-                filler = torch.zeros(piece_shape(piece), dtype=BF16)
-                parts = [filler] * (2 if f & 2 else 1)
-            out[holder].extend(parts)
-    back, statuses_out = exchange(
-        "muon_out", out, _recv_out(plan, present, alias), int(error is not None), group
-    )
-    settle(error, [*statuses, *statuses_out], group)
-    # every rank succeeded: read the results, then write the momentum and the params
-    offsets = [0] * world
-    for u, unit in enumerate(units):
-        if not present[u] or u not in mine or unit.owner == rank:
-            continue
-        pshape = piece_shape(unit.piece_for(rank))
-        n = math.prod(pshape) * NS_BYTES
-        src, o = back[unit.owner], offsets[unit.owner]
-        device = params[mine[u]]._local_tensor.device
-        results[u] = _received_result(src[o : o + n], unit.meta.shape, pshape, device)
-        if alias[u]:
-            after_alias[u] = view_as(src[o + n : o + 2 * n], BF16, pshape)
-        offsets[unit.owner] = o + n * (2 if alias[u] else 1)
-    for u, i in mine.items():
-        if not present[u]:
-            continue
-        p = params[i]
-        local = p._local_tensor
-        buf = new_bufs[u]
-        if u in after_alias:  # the normalised input (torch normalises the buffer in place)
-            buf.copy_(after_alias[u].to(buf.device).view(buf.shape))
-        state = optimizer.state[p]
-        old = state.get("momentum_buffer")
-        if old is None:
-            state["momentum_buffer"] = in_layout_of(buf, p)
-        else:
-            (old._local_tensor if isinstance(old, DTensor) else old).copy_(buf)
-        decay, adjusted = scale[u]
-        local.mul_(decay)
-        local.add_(results[u], alpha=-adjusted)
+                torch.where(gate, local_old, buf, out=local_old)
+            new = local.mul(decay)  # the very operations torch's Muon runs in place
+            new.add_(self.results[u], alpha=-adjusted)
+            torch.where(gate, local, new, out=local)
 
 
 def _narrow_only(piece: Piece) -> bool:

@@ -1,4 +1,13 @@
-"""``step_whole_params``: the entry point, which validates, agrees, plans once and runs a recipe."""
+"""``step_whole_params``: the entry point, which validates, agrees, plans once and runs a recipe.
+
+Three protocols, by ``host_sync`` and recipe: host-synced (the agreement and every status word
+read on the host; any failure raises on every rank); Muon under ``host_sync=False``
+(``_verdict``: the agreement and the status words stay on the device, the writes are gated on
+them, a steady step reads nothing on the host); the generic path under ``host_sync=False``
+(its host-side values, headers and status words travel through a gloo group of the same ranks,
+``comm.host_group_of``, so it reads nothing back from the device and still raises on every
+rank). A step that builds its plan reads the host in every protocol (one object gather).
+"""
 
 from __future__ import annotations
 
@@ -9,11 +18,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..._infra.agreement import RankMismatchError, agree, by_value, digest
+from ..._infra.comm import collective_device, host_group_of
 from ._checks import check_whole_hyperparameters
 from ._exchange import WORDING
 from ._generic import generic_step
-from ._muon import muon_step
+from ._muon import muon_step, muon_take_part
 from ._plan import WholeParamPlan, build_plan
+from ._verdict import DeviceVerdict, agree_on_device
 
 REBUILD = 1  # the plan token of a rank that builds its plan at this step
 
@@ -111,6 +122,7 @@ def step_whole_params(
     names: Sequence[str] | None = None,
     batched_ns: bool | None = False,
     span_replicas: bool | None = None,
+    verdict: DeviceVerdict | None = None,
 ) -> WholeParamPlan:
     """Do what ``optimizer.step()`` does to the unsharded ``params`` with their global grads,
     each update computed on the whole param; returns the plan to pass as ``plan_cache`` next.
@@ -134,6 +146,21 @@ def step_whole_params(
     ``span_replicas`` (the same on every rank): one owner per param over all its replica
     groups (True), one per replica group (False), or per param where that moves fewer bytes
     (None; Muon always spans); see ``_plan.spans_replicas``. The result is the same either way.
+
+    ``verdict`` (``OptimizerConfig(host_sync=False)``, the same on every rank): nothing is read
+    back from the device at a step that keeps its plan. Muon: the agreement is ONE all-reduce
+    of 6 int64 whose result stays on the device (``agree_on_device``), the exchanges' sizes
+    follow the plan alone, and a failure or disagreement anywhere sets ``verdict.bad`` on every
+    rank and gates every write: the failing rank raises its own error, the others return with
+    nothing changed (their caller reports it). The generic path: the protocol above with its
+    agreement, headers and status words on a gloo group of the same ranks (made at its first
+    such step), raising on every rank. A step that builds the plan (the first, or after the
+    params or caches changed) reads the agreement on the host (a failure found before it
+    raises on every rank), then steps Muon on the device; a rank that rebuilds alone while
+    its peers keep their plan takes part in their Muon exchanges with filler (from the plan it
+    dropped) and raises ``RankMismatchError``, the peers' step is refused on the device. A rank
+    that raises under ``verdict`` finds the plan its step ran with in ``verdict.plan`` (its
+    peers return it): pass that as ``plan_cache`` next.
     """
     where = _positions(optimizer)
     recipe = recipe_for(optimizer)
@@ -143,6 +170,9 @@ def step_whole_params(
             for i, p in enumerate(params)
         ]
     rebuild = plan_cache is None or not plan_cache.matches(params, recipe, span_replicas)
+    host_group = group
+    if verdict is not None and recipe != "muon":
+        host_group = host_group_of(group)  # made at the first such step, on every rank
     error: BaseException | None = None
     try:  # local checks, before anything changes and before any byte moves
         check_whole_hyperparameters(optimizer)
@@ -152,22 +182,85 @@ def step_whole_params(
     except Exception as exc:
         error = exc
     token = REBUILD if rebuild else plan_cache.digest  # type: ignore[union-attr]
-    # the step's agreement: ONE small all-reduce; an object gather only when it fails
-    verdict = agree(error, group, digest=[*digest(recipe), token], detail=(recipe, rebuild, token))
-    if not verdict.same and plan_cache is not None:
-        plan_cache.broken = True  # on every rank alike (the verdict is): all rebuild next
-    verdict.raise_own_or_peer(error, WORDING)
-    if not verdict.same:
-        raise RankMismatchError(_disagreement(verdict.details or []))
+    detail = (recipe, rebuild, token)
+    on_device = verdict is not None and recipe == "muon"
+    if on_device:
+        assert verdict is not None
+        steady = _agree_on_device(error, recipe, token, rebuild, plan_cache, group, verdict)
+        if steady:  # no host read: the plan is the one every rank agreed on when it was built
+            verdict.plan = plan_cache
+            groups = [optimizer.param_groups[where[id(p)][0]] for p in params]
+            muon_step(optimizer, params, groups, plan_cache, group, batched_ns, verdict)  # type: ignore[arg-type]
+            return plan_cache  # type: ignore[return-value]
+    else:  # the step's agreement: ONE small all-reduce; an object gather only when it fails
+        agreed = agree(error, host_group, digest=[*digest(recipe), token], detail=detail)
+        if not agreed.same and plan_cache is not None:
+            plan_cache.broken = True  # on every rank alike (the verdict is): all rebuild next
+        agreed.raise_own_or_peer(error, WORDING)
+        if not agreed.same:
+            raise RankMismatchError(_disagreement(agreed.details or []))
     if rebuild:
         errors = _build_errors(recipe, params, names, where)
-        plan = build_plan(params, names, recipe, group, errors, span_replicas)
+        plan = build_plan(params, names, recipe, host_group, errors, span_replicas)
     else:
         plan = plan_cache  # type: ignore[assignment]
     group_index = [where[id(p)][0] for p in params]
-    if recipe == "muon":
+    if recipe == "muon":  # device mode: agreed on the host, then stepped on the device
+        if verdict is not None:
+            verdict.plan = plan
         groups = [optimizer.param_groups[gi] for gi in group_index]
-        muon_step(optimizer, params, groups, plan, group, batched=batched_ns)
+        muon_step(optimizer, params, groups, plan, group, batched_ns, verdict)
     else:
-        generic_step(optimizer, params, group_index, plan, group)
+        host = host_group if verdict is not None else None
+        generic_step(optimizer, params, group_index, plan, group, host=host)
     return plan
+
+
+def _agree_on_device(
+    error: BaseException | None,
+    recipe: str,
+    token: int,
+    rebuild: bool,
+    plan_cache: WholeParamPlan | None,
+    group: dist.ProcessGroup | None,
+    verdict: DeviceVerdict,
+) -> bool:
+    """Muon's agreement under ``host_sync=False`` (``agree_on_device``). True: this rank keeps
+    its plan, the agreement is folded into ``verdict`` (and this rank's own failure, which it
+    raises after the exchanges). False: every rank rebuilds its plan at this step and agreed
+    on the host, as a host-synced step does. Raises where a rank cannot step: every rank
+    rebuilding and some failing or disagreeing (on every rank, as a host-synced step does),
+    or this rank rebuilding while its peers keep their plan (after taking part in their
+    exchanges)."""
+    device = collective_device(group)
+    bad, reduced = agree_on_device(error is not None, [*digest(recipe), token], group, device)
+    if not rebuild:
+        verdict.fold(bad)
+        if error is not None:
+            verdict.fail(error)
+        return True
+    # this rank builds its plan at this step: it reads the agreement (one host read)
+    top = reduced.tolist()
+    n = len(top) // 2
+    kept = top[2]  # the largest token: a plan's digest where some rank keeps its plan
+    if kept > REBUILD:
+        verdict.fail(
+            RankMismatchError(
+                "this rank rebuilt its whole-param plan at this step while other ranks of the "
+                "group kept theirs: its params or param groups changed, or invalidate_caches() "
+                "was called, on some ranks only. Under OptimizerConfig(host_sync=False) the "
+                "others cannot be told: their step is refused on the device (update_successful "
+                "False, a NaN grad norm) and nothing was updated on any rank. Change params, "
+                "groups and caches on every rank together, then call invalidate_caches() on "
+                "every rank"
+            )
+        )
+        if plan_cache is not None and plan_cache.digest == kept:
+            muon_take_part(plan_cache, group, verdict)
+        verdict.raise_own()
+    if top[0] > 0 or any(top[i] != -top[n + i] for i in range(n)):
+        # every rank rebuilds: each reads this, so all gather the failures and raise alike
+        agreed = agree(error, group, detail=(recipe, True, REBUILD), always=True)
+        agreed.raise_own_or_peer(error, WORDING)
+        raise RankMismatchError(_disagreement(agreed.details or []))
+    return False

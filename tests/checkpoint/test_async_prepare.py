@@ -1,0 +1,228 @@
+"""``prepare_async_save``: the asynchronous save's host buffers made ahead of the first save.
+
+What must hold: the buffers the preparation makes are the ones the first save (and every later
+one) copies into, with nothing made twice and never more than one copy of the state held (its
+exact size: ``nbytes``); a preparation on a background thread that a save overtakes is waited
+for; a preparation never touches the buffers of a save in flight (it waits for it); a failed
+preparation leaves the next save to make them itself; what is saved and loaded back is the
+copy, bit for bit, as without it. On CPU the buffers are plain memory; page-locking (CUDA) is
+checked by the ``cuda``-marked test at the end and measured by ``benchmarks/bench_async_save.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from _checkpoint_helpers import global_params, global_state, same
+from test_async_checkpoint import GATE, GatedWriter, _load_fresh, _state, _trained
+
+from mfsdp_optim.checkpoint import load_checkpoint, prepare_async_save, save_checkpoint
+
+
+@pytest.fixture(autouse=True)
+def _fresh_buffers():
+    """Every test starts and ends without kept host buffers (they are per process)."""
+    from mfsdp_optim.checkpoint import _async, _host_buffers
+
+    _async.settle()
+    _host_buffers.release()
+    yield
+    _async.settle()
+    _host_buffers.release()
+
+
+def _state_bytes(sd) -> int:
+    from mfsdp_optim.checkpoint._async import _collect
+
+    return sum(t.numel() * t.element_size() for t in _collect(sd)[1])
+
+
+def _buffer_ptrs() -> dict:
+    from mfsdp_optim.checkpoint import _host_buffers
+
+    with _host_buffers.LOCK:
+        return {k: b.tensor.data_ptr() for k, b in _host_buffers._BUFFERS.items()}
+
+
+def _quiet():
+    warnings.simplefilter("ignore")  # DCP: "assuming the intent is to save in a single..."
+
+
+def test_the_first_save_copies_into_the_prepared_buffers(tmp_path):
+    """Prepared (on the caller's thread, then on a background thread): the saves copy into those
+    very buffers, one copy of the state's exact size, and write each save's own values."""
+    from mfsdp_optim.checkpoint import _host_buffers
+
+    live = {"w": torch.arange(12.0).view(3, 4), "v": torch.ones(5), "i": torch.arange(3)}
+    sd = {"s": live}
+    for background in (False, True):
+        _host_buffers.release()
+        handle = prepare_async_save(sd, background=background)
+        handle.wait(timeout=60)
+        assert handle.done() and handle.nbytes == _state_bytes(sd) == _host_buffers.nbytes()
+        made = _buffer_ptrs()
+        assert len(made) == 2  # float32 and int64
+        with warnings.catch_warnings():
+            _quiet()
+            for i in range(3):
+                want = {k: v.clone() for k, v in live.items()}
+                path = str(tmp_path / f"{background}-{i}")
+                save = save_checkpoint(sd, path, asynchronous=True)
+                for v in live.values():
+                    v.add_(1)  # training goes on: not in the checkpoint
+                save.wait(timeout=60)
+                assert _buffer_ptrs() == made and _host_buffers.nbytes() == handle.nbytes
+                target = {"s": {k: torch.zeros_like(v) for k, v in want.items()}}
+                load_checkpoint(target, path)
+                assert all(torch.equal(target["s"][k], v) for k, v in want.items()), i
+
+
+def test_a_save_that_overtakes_the_preparation_waits_for_it(tmp_path, monkeypatch):
+    """The preparation holds the buffers' lock while it makes them: a save started meanwhile
+    waits, then finds them made (nothing made twice, one copy held)."""
+    from mfsdp_optim.checkpoint import _host_buffers
+
+    made = threading.Event()
+    go = threading.Event()
+    real = _host_buffers._Buffer
+
+    class SlowBuffer(real):  # the preparation's first buffer is slow to make
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if threading.current_thread().name == "mfsdp-async-save-prepare":
+                made.set()
+                go.wait(30)
+
+    monkeypatch.setattr(_host_buffers, "_Buffer", SlowBuffer)
+    sd = {"s": {"w": torch.arange(6.0), "v": torch.ones(4)}}
+    handle = prepare_async_save(sd)
+    assert made.wait(30) and not handle.done()
+    threading.Timer(0.3, go.set).start()  # the save below waits for this
+    with warnings.catch_warnings():
+        _quiet()
+        save_checkpoint(sd, str(tmp_path / "c"), asynchronous=True).wait(timeout=60)
+    assert handle.done() and handle.nbytes == _host_buffers.nbytes() == 40
+    target = {"s": {"w": torch.zeros(6), "v": torch.zeros(4)}}
+    load_checkpoint(target, str(tmp_path / "c"))
+    assert torch.equal(target["s"]["w"], torch.arange(6.0))
+
+
+def test_a_preparation_waits_for_the_save_in_flight_and_holds_one_copy(tmp_path):
+    """A save in flight writes from the buffers: a preparation (here for other sizes) waits for
+    it before replacing them, and holds the new state's size alone afterwards."""
+    from mfsdp_optim.checkpoint import _host_buffers
+
+    first = {"s": {"w": torch.arange(8.0)}}
+    second = {"s": {"w": torch.arange(20.0)}}
+    GATE.clear()
+    with warnings.catch_warnings():
+        _quiet()
+        save = save_checkpoint(
+            first, str(tmp_path / "a"), asynchronous=True, writer_cls=GatedWriter
+        )
+        handle = prepare_async_save(second)
+        with pytest.raises(TimeoutError):
+            handle.wait(timeout=0.3)  # the write is held: the preparation waits for it
+        assert not save.done() and _host_buffers.nbytes() == 32
+        GATE.set()
+        save.wait(timeout=60)
+        handle.wait(timeout=60)
+    assert _host_buffers.nbytes() == 80  # the old buffer dropped: one copy
+    target = {"s": {"w": torch.zeros(8)}}
+    load_checkpoint(target, str(tmp_path / "a"))
+    assert torch.equal(target["s"]["w"], torch.arange(8.0))
+
+
+def test_a_failed_preparation_leaves_the_save_to_make_its_buffers(tmp_path, monkeypatch):
+    from mfsdp_optim.checkpoint import _host_buffers
+
+    real = _host_buffers._Buffer
+    failing = {"on": True}
+
+    class Failing(real):
+        def __init__(self, *args, **kwargs):
+            if failing["on"]:
+                raise RuntimeError("injected: cannot page-lock")
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(_host_buffers, "_Buffer", Failing)
+    sd = {"s": {"w": torch.arange(6.0)}}
+    handle = prepare_async_save(sd)
+    with pytest.raises(RuntimeError, match="cannot page-lock"):
+        handle.wait(timeout=60)
+    assert _host_buffers.nbytes() == 0
+    failing["on"] = False
+    with warnings.catch_warnings():
+        _quiet()
+        save_checkpoint(sd, str(tmp_path / "c"), asynchronous=True).wait(timeout=60)
+    assert _host_buffers.nbytes() == 24
+
+
+def _rank_prepared_on_some_ranks(root):
+    """Rank 0 prepares, rank 1 does not: the preparation itself is local (no collective; the
+    state dict it reads is built on every rank), and the saves of both are the usual ones."""
+    from mfsdp_optim.checkpoint import _async, _host_buffers
+
+    _async.settle()  # this pool process may keep buffers of an earlier test's saves
+    _host_buffers.release()
+    m = _trained()
+    sd = _state(m)  # built on every rank (the build agrees on the keyspace)
+    if dist.get_rank() == 0:
+        prepare_async_save(sd).wait(timeout=60)
+    prepared = _host_buffers.nbytes()
+    out = {"prepared": prepared}
+    for i in range(2):
+        sd = _state(m)
+        want = global_state(sd["optimizer"]), global_params(m)
+        path = os.path.join(root, f"c{i}")
+        save = save_checkpoint(sd, path, asynchronous=True)
+        m.step(3 + i)  # training goes on
+        save.wait(timeout=60)
+        out[f"same{i}"] = same(_load_fresh(path), want)
+    out["kept"] = _host_buffers.nbytes()
+    _host_buffers.release()
+    return out
+
+
+def test_prepared_on_some_ranks_only(ranks, tmp_path):
+    out = ranks(2).run(_rank_prepared_on_some_ranks, str(tmp_path))
+    assert out[0]["prepared"] > 0 and out[1]["prepared"] == 0, out
+    for o in out:
+        assert o["same0"] and o["same1"] and o["kept"] > 0, out
+    assert out[0]["kept"] == out[0]["prepared"], out  # the saves reused what was prepared
+
+
+@pytest.mark.cuda
+def test_prepared_buffers_are_page_locked_at_their_exact_size(tmp_path):
+    """On CUDA: the prepared buffers are page-locked (registered), hold the state's exact size
+    (torch's pinned allocator would round 3 MiB + 4 bytes up to 4 MiB), the first save copies
+    into them, and releasing them unlocks the pages."""
+    from mfsdp_optim.checkpoint import _host_buffers
+
+    live = {"w": torch.randn(768, 1024, device="cuda"), "b": torch.randn(1, device="cuda")}
+    sd = {"s": live}
+    handle = prepare_async_save(sd)
+    handle.wait(timeout=120)
+    assert handle.nbytes == 768 * 1024 * 4 + 4 == _host_buffers.nbytes()
+    (buf,) = _host_buffers._BUFFERS.values()
+    assert buf.tensor.is_pinned() and buf.tensor.numel() == 768 * 1024 + 1
+    ptr = buf.tensor.data_ptr()
+    want = {k: v.cpu() for k, v in live.items()}
+    with warnings.catch_warnings():
+        _quiet()
+        save = save_checkpoint(sd, str(tmp_path / "c"), asynchronous=True)
+        for v in live.values():
+            v.add_(1)
+        save.wait(timeout=120)
+    assert _host_buffers._BUFFERS[(torch.float32, "cuda")].tensor.data_ptr() == ptr
+    target = {"s": {k: torch.zeros_like(v) for k, v in want.items()}}
+    load_checkpoint(target, str(tmp_path / "c"))
+    assert all(torch.equal(target["s"][k], v) for k, v in want.items())
+    kept = buf.tensor
+    _host_buffers.release()
+    assert not kept.is_pinned()
