@@ -49,7 +49,10 @@ def make_model(device: torch.device) -> torch.nn.Module:
     return model.to(device)
 
 
-def loss_of(model: torch.nn.Module, rank: int, step: int, device: torch.device) -> torch.Tensor:
+def loss_of(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
+    """The step's loss on this rank's batch, made on the params' device (where sharding put
+    them: the accelerator's device, or a GPU that ``fully_shard`` picked for a CPU accelerator)."""
+    device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(1000 * step + rank)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen).to(device)
     labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen).to(device)
@@ -85,7 +88,7 @@ def stock_run(make_accelerator: Callable[[], Any]) -> dict[str, Any]:
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR, foreach=True))
     out: dict[str, Any] = {"losses": [], "norms": []}
     for step in range(1, 2 * STEPS + 1):
-        loss = loss_of(model, acc.process_index, step, acc.device)
+        loss = loss_of(model, acc.process_index, step)
         acc.backward(loss)
         out["norms"].append(float(acc.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
@@ -114,7 +117,7 @@ def recipe_run(
         acc.load_state(folder)
     out: dict[str, Any] = {"losses": [], "norms": [], "brute": [], "returns": []}
     for step in range(first, 2 * STEPS + 1):
-        loss = loss_of(model, acc.process_index, step, acc.device)
+        loss = loss_of(model, acc.process_index, step)
         acc.backward(loss)
         out["brute"].append(brute_norm(model))
         out["returns"].append(opt.step())
