@@ -34,6 +34,17 @@ GPU timings use CUDA events; CPU timings use perf_counter.
     python benchmarks/bench_step.py --model llama1b --modes fused --back-to-back 4  # host ahead
     python benchmarks/bench_step.py --host-time           # host time of one step() call only
 
+Against another commit (``--compare``: its package copied and renamed; ``--compare-first``
+builds it first; the wrapper built first in a run times a few percent slower, so run both orders
+and take the geometric mean of the ratios):
+
+    mkdir -p /tmp/p /tmp/prev && git archive <commit> src/mfsdp_optim | tar -x -C /tmp/p
+    mv /tmp/p/src/mfsdp_optim /tmp/prev/mfsdp_prev
+    python benchmarks/bench_step.py --sets 3000x512x256 --modes fused,foreach \
+        --compare mfsdp_prev=/tmp/prev [--compare-first]
+    python benchmarks/bench_step.py --model llama1b --modes fused \
+        --compare mfsdp_prev=/tmp/prev [--compare-first]
+
 ``--host-time`` measures, instead of the sets, the host time of one ``step()`` call (perf_counter
 around the call, no synchronisation inside it; the device drained before each call) of fused
 AdamW over 300, 3,000 and 30,000 tensors of 16x16 (``--host-counts``), where the device work is
@@ -191,16 +202,21 @@ def _factories(
     extras: dict[str, dict] = {"wrap": {} if not args.no_triton else _TORCH_KERNEL}
     if triton_row:
         extras["wrap-torch"] = _TORCH_KERNEL
+    compared: dict[str, Callable[[], tuple]] = {}
+    for name, extra in list(extras.items()) if other is not None else ():
+        if name == "wrap" and triton_row:  # the same kernel as this default, by name
+            extra = {"triton_adam_step": True}
+        compared[f"{name}[{other.__name__}]"] = wrapper(other, extra)
+    if args.compare_first:  # built (and their tensors allocated) before this package's rows
+        out.update(compared)
     for name, extra in extras.items():
         out[name] = wrapper(this, extra)
     if captured_row:
         out["captured"] = wrapper(this, {**extras["wrap"], "host_sync": False, "cuda_graph": True})
     if args.grad_stats:
         out["grad_stats"] = stats
-    for name, extra in list(extras.items()) if other is not None else ():
-        if name == "wrap" and triton_row:  # the same kernel as this default, by name
-            extra = {"triton_adam_step": True}
-        out[f"{name}[{other.__name__}]"] = wrapper(other, extra)
+    if not args.compare_first:
+        out.update(compared)
     if with_clip:
         out["bare+clip"] = clip
     return out
@@ -483,6 +499,13 @@ def main() -> None:
         help="also time the wrapper of another importable copy of the package (e.g. "
         "the previous main, renamed): 'module' or 'module=PATH' (PATH is put "
         "on sys.path); its rows are 'wrap[module]' (and 'wrap-torch[module]')",
+    )
+    ap.add_argument(
+        "--compare-first",
+        action="store_true",
+        help="build the --compare rows before this package's (the wrapper built first in a "
+        "run tends to time a few percent slower: run both orders and take the geometric "
+        "mean of the two ratios)",
     )
     ap.add_argument(
         "--optimizer",
