@@ -6,6 +6,11 @@
 #   scripts/gpu_bench.sh                  # all six; logs under ${OUT:-gpu_out}/bench_full_*.log
 #   scripts/gpu_bench.sh step b2b         # some of: step b2b llama host replay loop (a command
 #                                         # limited to 10 minutes takes two or three each)
+#   scripts/gpu_bench.sh async            # the first and later asynchronous saves (not in "all")
+#   scripts/gpu_bench.sh compare          # the step beside another commit's (not in "all"):
+#                                         # its package renamed mfsdp_prev under ${MFSDP_PREV:-.prev}
+#       (made here: mkdir -p /tmp/p .prev && git archive <commit> src/mfsdp_optim | tar -x -C /tmp/p
+#        && mv /tmp/p/src/mfsdp_optim .prev/mfsdp_prev; the device tool carries .prev)
 #
 # Same needs as scripts/gpu_check.sh (python3 with torch for CUDA and triton; package from src/).
 set -u
@@ -44,5 +49,21 @@ run bench_full_host host "$py" bench_step.py --host-time --iters 50 --warmup 5
 run bench_full_replay replay "$py" bench_replay.py --device cuda --iters 30
 # the training loop (target: graph >= 1.35x stock)
 run bench_full_loop loop "$py" bench_loop.py
+# the first asynchronous save, prepared and not, and the later ones, against the copy floor
+run bench_full_async async "$py" bench_async_save.py --saves 3
+# the step against another commit's, in both build orders (the wrapper built first in a run
+# times a few percent slower: take the geometric mean of the two orders' ratios)
+prev=$(cd .. && cd "${MFSDP_PREV:-.prev}" 2>/dev/null && pwd)
+if [[ "$wanted" == *" compare "* ]] && [ ! -d "$prev/mfsdp_prev" ]; then
+    echo "compare: no ${MFSDP_PREV:-.prev}/mfsdp_prev (see this script's header)"
+    failed=1
+else
+    for first in "" --compare-first; do
+        run "bench_full_compare_3000${first:+_first}" compare "$py" bench_step.py \
+            --sets 3000x512x256 --modes fused --iters 10 --compare "mfsdp_prev=$prev" $first
+        run "bench_full_compare_llama${first:+_first}" compare "$py" bench_step.py \
+            --model llama1b --modes fused --iters 10 --compare "mfsdp_prev=$prev" $first
+    done
+fi
 cd ..
 exit "$failed"

@@ -9,6 +9,7 @@
 #   scripts/gpu_check.sh tests-optim     # the suite in two halves: tests/optim ...
 #   scripts/gpu_check.sh tests-other     # ... and every other folder of tests/
 #   scripts/gpu_check.sh bench           # the benchmarks' smoke runs only (about 4 minutes)
+#   scripts/gpu_check.sh recipes         # the trainers' GPU recipes (scripts/accelerate_gpu.py)
 #
 # A machine that limits one command to 10 minutes takes the parts as separate commands: on
 # 2026-12-07 the whole suite did not fit 540 s on an H200 (473 of 1176 tests), so run
@@ -27,13 +28,13 @@ out=$(cd "$out" && pwd)  # absolute: the benchmarks run from benchmarks/
 py=${PYTHON:-python3}
 summary="$out/summary.txt"
 failed=0
-wanted=" ${*:-tests bench} "
+wanted=" ${*:-tests recipes bench} "
 for part in $wanted; do
     case "$part" in
-    tests | tests-optim | tests-other | bench) ;;
+    tests | tests-optim | tests-other | bench | recipes) ;;
     *)
         echo "gpu_check.sh: unknown part '$part' (expected: tests, tests-optim, tests-other," \
-            "bench)" >&2
+            "bench, recipes)" >&2
         exit 2
         ;;
     esac
@@ -105,6 +106,10 @@ if [[ "$wanted" == *" tests-other "* ]]; then
     done
     suite tests-other "${others[@]}"
 fi
+
+# accelerate's FSDP2 path engages only on a GPU: the recipe of mfsdp_optim.integrations.accelerate
+# against stock AdamW, with save_state / load_state (needs accelerate installed)
+[[ "$wanted" == *" recipes "* ]] && step recipes 300 14 "$py" scripts/accelerate_gpu.py
 
 if [[ "$wanted" != *" bench "* ]]; then
     echo "--- summary ($summary)"
