@@ -97,7 +97,7 @@ def test_ranger21_reads_across_params_in_plain_torch():
     assert refs["runs"] and refs["cross_param"], refs
 
 
-def _rank_dash_stream(layout, isolate):
+def _rank_dash_stream(layout, isolate, seed=0):
     """DASH under the generic whole-param path against the unsharded run; with ``isolate``,
     its power-iteration start vectors come from a generator of their own (the same values on
     every rank and in the reference, whatever was stepped before). The registry's entry is
@@ -121,7 +121,7 @@ def _rank_dash_stream(layout, isolate):
     entry = _registry.REGISTRY.pop(key, None)
     dash.batched_power_iteration = own_stream if isolate else real
     try:
-        return trial(_target("dash"), {"lr": 1e-2}, layout, STEPS, None)
+        return trial(_target("dash"), {"lr": 1e-2}, layout, STEPS, None, seed=seed)
     finally:
         dash.batched_power_iteration = real
         if entry is not None:
@@ -137,10 +137,18 @@ def test_dash_differs_only_through_the_global_random_stream(ranks):
     the same result."""
     from mfsdp_optim.optim._classify import references
 
-    shared = ranks(4).run(_rank_dash_stream, "1d-uneven-empty", False)[0]
-    isolated = ranks(4).run(_rank_dash_stream, "1d-uneven-empty", True)[0]
-    assert not shared["exact"] and 0 < shared["max_diff"] < 1e-6, shared
-    assert isolated["exact"], isolated
+    # whether the other draws move a bf16 estimate by an ulp depends on the draws: over 8 seeds
+    # some do (seed 5 in a fresh pool), and every difference is that small
+    differing = []
+    for seed in range(8):
+        shared = ranks(4).run(_rank_dash_stream, "1d-uneven-empty", False, seed)[0]
+        assert shared["exact"] or 0 < shared["max_diff"] < 1e-6, (seed, shared)
+        if not shared["exact"]:
+            differing.append(seed)
+    assert differing, "the shared stream matched the unsharded run for every seed"
+    for seed in differing:  # the same runs with the draws from a stream of their own
+        isolated = ranks(4).run(_rank_dash_stream, "1d-uneven-empty", True, seed)[0]
+        assert isolated["exact"], (seed, isolated)
     refs = references(po.load_optimizer("dash"), {"lr": 1e-2}, STEPS)
     assert refs["runs"] and refs["random"], refs
 
