@@ -216,6 +216,21 @@ def _all_to_all(
     return parts_out, statuses
 
 
+def _outbox_of(payloads: Sequence[Sequence[Part]], group: dist.ProcessGroup | None) -> Outbox:
+    """An ``Outbox`` holding ``payloads[r]`` for each peer ``r`` (nothing for this rank), each
+    part copied once into the send buffer."""
+    rank = dist.get_rank(group)
+    sizes = [0 if r == rank else sum(map(part_bytes, parts)) for r, parts in enumerate(payloads)]
+    box = Outbox(sizes, rank, collective_device(group))
+    for r, parts in enumerate(payloads):
+        if r == rank:
+            continue
+        offset = 0
+        for part in parts:
+            offset = box.put(r, offset, part)
+    return box
+
+
 def exchange(
     direction: str,
     payloads: Sequence[Sequence[Part]],
@@ -227,16 +242,7 @@ def exchange(
     rank ``r``, status word first; receive ``recv_sizes[r]`` payload bytes (status excluded)
     from each. Nothing goes to or comes from this rank itself. Returns each peer's payload and
     status. Each part is copied once, into the send buffer."""
-    rank = dist.get_rank(group)
-    sizes = [0 if r == rank else sum(map(part_bytes, parts)) for r, parts in enumerate(payloads)]
-    box = Outbox(sizes, rank, collective_device(group))
-    for r, parts in enumerate(payloads):
-        if r == rank:
-            continue
-        offset = 0
-        for part in parts:
-            offset = box.put(r, offset, part)
-    return box.send(direction, recv_sizes, status, group)
+    return _outbox_of(payloads, group).send(direction, recv_sizes, status, group)
 
 
 def exchange_on_device(
@@ -250,16 +256,7 @@ def exchange_on_device(
     """``exchange`` without a host read (``Outbox.send_on_device``): the status words come from
     and go into ``verdict``. Every part must already be on the group's device (a host part
     would be a host-to-device copy)."""
-    rank = dist.get_rank(group)
-    sizes = [0 if r == rank else sum(map(part_bytes, parts)) for r, parts in enumerate(payloads)]
-    box = Outbox(sizes, rank, collective_device(group))
-    for r, parts in enumerate(payloads):
-        if r == rank:
-            continue
-        offset = 0
-        for part in parts:
-            offset = box.put(r, offset, part)
-    return box.send_on_device(direction, recv_sizes, verdict, group, cache)
+    return _outbox_of(payloads, group).send_on_device(direction, recv_sizes, verdict, group, cache)
 
 
 def exchange_records(

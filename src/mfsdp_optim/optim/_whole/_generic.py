@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import MutableMapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -436,51 +437,48 @@ def _apply(optimizer, p: DTensor, keys: list[tuple], tensors: list) -> None:
         prev = old.get(k)
         if kind == "h":  # a host tensor from the header (or this owner's own result)
             t = value
-            if (
-                isinstance(prev, torch.Tensor)
-                and not isinstance(prev, DTensor)
-                and (prev.shape == t.shape and prev.dtype == t.dtype and prev.device == t.device)
-            ):
-                prev.copy_(t)
-                new[k] = prev
-            else:
-                new[k] = t.clone()
+            new[k] = _into_plain(prev, t)
             continue
         if kind == "p":
             t = t.to(local.device).view(local.shape)
-            if (
-                isinstance(prev, DTensor)
-                and prev.shape == p.shape
-                and prev.dtype == t.dtype
-                and prev._local_tensor.shape == t.shape
-            ):
-                prev._local_tensor.copy_(t)
-                new[k] = prev
-            else:
-                new[k] = in_layout_of(t.clone(), p)
+            kept = _into_local(prev, t, p.shape)
+            new[k] = kept if kept is not None else in_layout_of(t.clone(), p)
             continue
         device = local.device if value != "cpu" else torch.device("cpu")
         t = t.to(device)
         if t.dim() == 0:
-            if (
-                isinstance(prev, torch.Tensor)
-                and not isinstance(prev, DTensor)
-                and (prev.shape == t.shape and prev.dtype == t.dtype and prev.device == t.device)
-            ):
-                prev.copy_(t)
-                new[k] = prev
-            else:
-                new[k] = t.clone()
+            new[k] = _into_plain(prev, t)
             continue
-        if (
-            isinstance(prev, DTensor)
-            and prev.shape == t.shape
-            and prev.dtype == t.dtype
-            and prev._local_tensor.shape == t.shape  # a replicated entry holds it whole
-        ):
-            prev._local_tensor.copy_(t)
-            new[k] = prev
-        else:
+        kept = _into_local(prev, t, t.shape)  # a replicated entry holds it whole
+        if kept is None:
             mesh = p.device_mesh
-            new[k] = DTensor.from_local(t.clone(), mesh, [Replicate()] * mesh.ndim, run_check=False)
+            kept = DTensor.from_local(t.clone(), mesh, [Replicate()] * mesh.ndim, run_check=False)
+        new[k] = kept
     optimizer.state[p] = new
+
+
+def _into_plain(prev: Any, t: torch.Tensor) -> torch.Tensor:
+    """``t`` written into ``prev`` where it is a plain tensor of the same shape, dtype and
+    device (the state entry keeps its identity), else a copy of ``t``."""
+    if (
+        isinstance(prev, torch.Tensor)
+        and not isinstance(prev, DTensor)
+        and (prev.shape == t.shape and prev.dtype == t.dtype and prev.device == t.device)
+    ):
+        prev.copy_(t)
+        return prev
+    return t.clone()
+
+
+def _into_local(prev: Any, t: torch.Tensor, shape: torch.Size) -> DTensor | None:
+    """``t`` written into the local tensor of ``prev`` where it is a DTensor of global ``shape``
+    whose local tensor has ``t``'s shape and dtype (it keeps its identity), else None."""
+    if (
+        isinstance(prev, DTensor)
+        and prev.shape == shape
+        and prev.dtype == t.dtype
+        and prev._local_tensor.shape == t.shape
+    ):
+        prev._local_tensor.copy_(t)
+        return prev
+    return None
