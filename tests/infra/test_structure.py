@@ -20,6 +20,11 @@ The rules (stdlib ``ast`` only: no module of the package or of benchmarks/ is im
 5. benchmarks/, scripts/ and examples/ import no private module of the package (no path
    component below ``mfsdp_optim`` that starts with ``_``); what they need from inside a layer
    comes through that layer's public names or its ``seam``.
+6. Every module of a sub-package is named in its folder's Map (the ``__init__`` docstring): its
+   name as written (``_engine``, ``_engine.py``); a sub-package by its folder's name in the Map
+   of the folder above; an implementation module ``_x`` beside a public module ``x`` is named by
+   ``x``. The root package is exempt (its docstring is the package's one-line summary; its
+   sub-packages are the layers that docs/internals.md draws).
 
 The ratchet: each rule's DEBT holds today's findings exactly, keyed by file and name (never a
 line number, so an unrelated edit does not break it). A finding not in DEBT fails (a new
@@ -35,6 +40,7 @@ from __future__ import annotations
 import ast
 import collections
 import os
+import re
 import textwrap
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -153,6 +159,42 @@ TOOLS_PRIVATE_IMPORT_DEBT: dict[tuple[str, str], int] = {
     ("scripts/conformance.py", "mfsdp_optim.optim._classify.references"): 1,
     ("scripts/conformance.py", "mfsdp_optim.optim._classify.trial"): 1,
     ("scripts/conformance.py", "mfsdp_optim.optim._kinds.kind_of"): 1,
+}
+
+# rule 6: modules (a sub-package: its folder) that their folder's Map does not name
+MAP_DEBT: set[str] = {
+    # the checkpoint Map names the public functions, not the files that hold them
+    "checkpoint/_async.py",
+    "checkpoint/_build.py",
+    "checkpoint/_cli.py",
+    "checkpoint/_consensus.py",
+    "checkpoint/_host_buffers.py",
+    "checkpoint/_inspect.py",
+    "checkpoint/_integrity.py",
+    "checkpoint/_interop.py",
+    "checkpoint/_keyspace.py",
+    "checkpoint/_layout.py",
+    "checkpoint/_load.py",
+    "checkpoint/_materialize.py",
+    "checkpoint/_prune.py",
+    "checkpoint/_publish.py",
+    "checkpoint/_safe.py",
+    "checkpoint/_save.py",
+    "checkpoint/_staged.py",
+    "checkpoint/_stateful.py",
+    "checkpoint/_table.py",
+    "checkpoint/_values.py",
+    "checkpoint/_write.py",
+    "integrations/_torchtitan_trainer.py",
+    "optim/_captured.py",
+    "optim/_checkpointing.py",
+    "optim/_engine.py",
+    "optim/_graph.py",
+    "optim/_prepared.py",
+    "optim/_surface.py",
+    "optim/_whole/",
+    "optim/_whole/_checks.py",
+    "optim/_whole/_ns_probe.py",
 }
 
 
@@ -589,6 +631,36 @@ def private_imports(tree: ast.Module) -> list[tuple[int, str]]:
     return found
 
 
+# -- rule 6: every module named in its folder's Map --------------------------------------------
+
+
+def unnamed_in_maps(sources: Iterable[Source]) -> set[str]:
+    """Modules (``x/_y.py``; a sub-package as ``x/_y/``) their folder's Map does not name."""
+    sources = list(sources)
+    maps = {
+        s.path.rpartition("/")[0]: ast.get_docstring(s.tree) or "" for s in sources if s.is_package
+    }
+    paths = {s.path for s in sources}
+    unnamed = set()
+    for s in sources:
+        inner = s.path.rpartition("/")[0] if s.is_package else s.path
+        folder, _, stem = inner.rpartition("/")
+        stem = stem.removesuffix(".py")
+        if not folder:
+            continue  # the root's modules and the layers themselves (docs/internals.md)
+        if stem in ("__init__", "__main__"):
+            continue
+        doc = maps.get(folder, "")
+        public = stem.startswith("_") and f"{folder}/{stem[1:]}.py" in paths
+        if not _named(stem, doc) and not (public and _named(stem[1:], doc)):
+            unnamed.add(f"{inner}/" if s.is_package else inner)
+    return unnamed
+
+
+def _named(stem: str, doc: str) -> bool:
+    return re.search(rf"(?<![\w.]){re.escape(stem)}(?!\w)", doc) is not None
+
+
 # -- the ratchet -------------------------------------------------------------------------------
 
 
@@ -600,8 +672,8 @@ def ratchet(
     for key in sorted(set(found) | set(debt), key=repr):
         now, then = found.get(key, 0), debt.get(key, 0)
         if now > then:
-            was = f" (DEBT allows {then})" if then else ""
-            problems.append(f"{rule}: {key!r} x{now}{was}. {fix}")
+            times = f" x{now} (DEBT allows {then})" if then else f" x{now}" if now > 1 else ""
+            problems.append(f"{rule}: {key!r}{times}. {fix}")
         elif now < then:
             what = f"lower it to {now}" if now else "delete the entry"
             problems.append(
@@ -737,6 +809,15 @@ def test_tools_import_no_private_module():
         ratchet("TOOLS_PRIVATE_IMPORT_DEBT", TOOLS_PRIVATE_IMPORT_DEBT, found, "rule 5", fix),
         details,
     )
+
+
+def test_every_module_is_named_in_its_folders_map():
+    found = dict.fromkeys(unnamed_in_maps(package_sources()), 1)
+    fix = (
+        "A module its folder's Map does not name: add it to the Map (the folder's __init__ "
+        "docstring: what it holds, in a few words), so a reader finds it from the Map alone."
+    )
+    _report(ratchet("MAP_DEBT", dict.fromkeys(MAP_DEBT, 1), found, "rule 6", fix))
 
 
 # -- the checkers on synthetic sources: each rule can fail ---------------------------------------
@@ -908,3 +989,25 @@ def test_the_ratchet_only_tightens():
     assert "lower it to 1" in fewer
     (gone,) = ratchet("D", debt, {"a": 2}, "rule", "fix")
     assert "delete the entry" in gone and "D['b']" in gone
+
+
+def test_the_map_checker():
+    files = {
+        "__init__.py": '"""The package: no Map needed."""',
+        "errors.py": "",
+        "layer/__init__.py": '"""Map: ``_engine`` the engine; ``graph.py`` replay; ``api``."""',
+        "layer/__main__.py": "",
+        "layer/_engine.py": "",
+        "layer/graph.py": "",
+        "layer/api.py": "",
+        "layer/_api.py": "",  # named by the public module beside it
+        "layer/_engine_extra.py": "",  # not named by ``_engine``
+        "layer/_sub/__init__.py": '"""_step.py the entry point."""',
+        "layer/_sub/_step.py": "",
+        "layer/_sub/_plan.py": "",
+    }
+    assert unnamed_in_maps(_package(files)) == {
+        "layer/_engine_extra.py",
+        "layer/_sub/",
+        "layer/_sub/_plan.py",
+    }
