@@ -52,6 +52,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SRC = os.path.join(REPO, "src")
 PKG = "mfsdp_optim"
 TOOLS = ("benchmarks", "scripts", "examples")
+LAYERS = ("_infra", "stats", "optim", "checkpoint", "integrations")  # as test_layers.py
 MAX_MODULES = 12
 MAX_LINES = 80
 
@@ -528,7 +529,7 @@ def private_accesses(readers: Iterable[Source], defined: dict[str, set[str]]) ->
 
 def private_name_imports(sources: Iterable[Source]) -> list[Access]:
     """Rule 2's other form: ``from .other import _name`` (a private name, not a module, of
-    another module of the package)."""
+    another module of the same layer; across layers ``test_layers.py`` refuses it already)."""
     sources = list(sources)
     path_of = {s.name: s.path for s in sources}
     found = []
@@ -537,7 +538,7 @@ def private_name_imports(sources: Iterable[Source]) -> list[Access]:
             if not isinstance(node, ast.ImportFrom):
                 continue
             target = _resolve(s.name, s.is_package, node)
-            if target not in path_of or target == s.name:
+            if target not in path_of or target == s.name or _other_layer(s.name, target):
                 continue
             for a in node.names:
                 if _private(a.name) and f"{target}.{a.name}" not in path_of:
@@ -545,6 +546,12 @@ def private_name_imports(sources: Iterable[Source]) -> list[Access]:
                     text = f"from {shown} import {a.name}"
                     found.append(Access(s.path, node.lineno, text, "read", (path_of[target],)))
     return found
+
+
+def _other_layer(module: str, target: str) -> bool:
+    """Both in layer packages, different ones (the imports ``test_layers.py`` checks)."""
+    a, b = (name.split(".")[1] if name.count(".") else "" for name in (module, target))
+    return a != b and a in LAYERS and b in LAYERS
 
 
 # -- rule 3: modules per folder ----------------------------------------------------------------
@@ -913,6 +920,10 @@ def test_the_private_access_checker():
     assert reader("from .owner import _TABLE\n") == [
         ("reader.py", "from .owner import _TABLE", "read")
     ]
+    layers = {"__init__.py": "", "stats/__init__.py": "", "stats/_a.py": "_X = 1\n"}
+    layers["stats/_b.py"] = layers["optim/_c.py"] = "from ..stats._a import _X\n"
+    # across layers test_layers.py refuses it
+    assert _accesses(layers) == [("stats/_b.py", "from ..stats._a import _X", "read")]
     # allowed: torch's internals (the package defines none), a root imported from outside the
     # package, this file's own attribute, a private module, a public attribute
     assert reader("def f(t):\n    return t._local_tensor, t._spec\n") == []
