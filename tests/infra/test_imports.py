@@ -28,6 +28,7 @@ import sys
 import textwrap
 
 import pytest
+from _import_paths import absolute_module
 
 # located without importing it: this process must not run the package's imports either
 _SPEC = importlib.util.find_spec("mfsdp_optim")
@@ -181,7 +182,7 @@ def top_level_names(name: str, trees: dict[str, ast.Module], seen: frozenset[str
                 if a.name != "*":
                     names.add(a.asname or a.name)
                     continue
-                source = _absolute(name, _is_package(name, trees), stmt)
+                source = absolute_module(name, _is_package(name, trees), stmt)
                 if source in trees and source not in seen:
                     names |= top_level_names(source, trees, seen | {name})
         elif isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For, ast.With)):
@@ -201,16 +202,6 @@ def top_level_names(name: str, trees: dict[str, ast.Module], seen: frozenset[str
 
 def _is_package(name: str, trees: dict[str, ast.Module]) -> bool:
     return any(other.startswith(name + ".") for other in trees)
-
-
-def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
-    """The absolute module an ImportFrom names (``module``: the importing module's name)."""
-    if node.level == 0:
-        return node.module or ""
-    parts = module.split(".")
-    base = parts if is_package else parts[:-1]
-    base = base[: len(base) - (node.level - 1)]
-    return ".".join(base + ([node.module] if node.module else []))
 
 
 def unresolved_imports(tree: ast.Module, trees: dict[str, ast.Module]) -> list[tuple[int, str]]:

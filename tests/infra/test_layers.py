@@ -18,6 +18,8 @@ import importlib.util
 import os
 import re
 
+from _import_paths import absolute_module
+
 _SPEC = importlib.util.find_spec("mfsdp_optim")
 assert _SPEC is not None and _SPEC.origin is not None
 PACKAGE_DIR = os.path.dirname(os.path.abspath(_SPEC.origin))
@@ -36,16 +38,6 @@ def allowed_layers(docstring: str) -> set[str]:
     return set(re.findall(r"``([\w.]+)``", text))
 
 
-def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
-    """The absolute module an ImportFrom names (``module``: the importing module's name)."""
-    if node.level == 0:
-        return node.module or ""
-    parts = module.split(".")
-    base = parts if is_package else parts[:-1]
-    base = base[: len(base) - (node.level - 1)]
-    return ".".join(base + ([node.module] if node.module else []))
-
-
 def violations_in(source: str, module: str, is_package: bool, layer: str, allowed: set[str]):
     """Every import of ``source`` (module ``module`` of ``layer``) that breaks the rules."""
     found = []
@@ -54,7 +46,7 @@ def violations_in(source: str, module: str, is_package: bool, layer: str, allowe
         if isinstance(node, ast.Import):
             targets = [(a.name, []) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            targets = [(_resolve(module, is_package, node), [a.name for a in node.names])]
+            targets = [(absolute_module(module, is_package, node), [a.name for a in node.names])]
         for target, names in targets:
             parts = target.split(".")
             if parts[0] != "mfsdp_optim" or len(parts) < 2 or parts[1] not in LAYERS:

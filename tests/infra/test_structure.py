@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from _import_paths import absolute_module
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SRC = os.path.join(REPO, "src")
@@ -259,16 +260,6 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
-def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
-    """The absolute module an ImportFrom names (``module``: the importing module's name)."""
-    if node.level == 0:
-        return node.module or ""
-    parts = module.split(".")
-    base = parts if is_package else parts[:-1]
-    base = base[: len(base) - (node.level - 1)]
-    return ".".join(base + ([node.module] if node.module else []))
-
-
 def _functions(tree: ast.AST) -> Iterator[ast.FunctionDef | ast.AsyncFunctionDef]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -307,7 +298,7 @@ def import_edges(sources: Iterable[Source]) -> dict[str, dict[str, tuple[int, st
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
-                base = _resolve(s.name, s.is_package, node)
+                base = absolute_module(s.name, s.is_package, node)
                 targets = [f"{base}.{a.name}" for a in node.names]
                 targets = [t if t in names else base for t in targets]
             else:
@@ -462,7 +453,9 @@ def _external_roots(s: Source) -> set[str]:
                 if a.name.split(".")[0] != PKG:
                     roots.add((a.asname or a.name).split(".")[0])
         elif isinstance(node, ast.ImportFrom):
-            target = _resolve(s.name, s.is_package, node) if node.level else node.module or ""
+            target = (
+                absolute_module(s.name, s.is_package, node) if node.level else node.module or ""
+            )
             if target.split(".")[0] != PKG:
                 roots.update(a.asname or a.name for a in node.names)
     return roots
@@ -537,7 +530,7 @@ def private_name_imports(sources: Iterable[Source]) -> list[Access]:
         for node in ast.walk(s.tree):
             if not isinstance(node, ast.ImportFrom):
                 continue
-            target = _resolve(s.name, s.is_package, node)
+            target = absolute_module(s.name, s.is_package, node)
             if target not in path_of or target == s.name or _other_layer(s.name, target):
                 continue
             for a in node.names:
