@@ -78,8 +78,14 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _fresh(make_accelerator: Callable[[], Any]) -> Any:
     from accelerate.state import AcceleratorState
 
-    AcceleratorState._reset_state()  # a new Accelerator per run: its own models and optimizers
-    return make_accelerator()
+    # a new Accelerator per run (its own models and optimizers): both of accelerate's states are
+    # reset, since the AcceleratorState built over a kept PartialState of an earlier run may miss
+    # its FSDP plugin (seen on one GPU, accelerate 1.15); the process group stays
+    AcceleratorState._reset_state(reset_partial_state=True)
+    acc = make_accelerator()
+    if not getattr(acc.state, "fsdp_plugin", None):
+        print(f"accelerate state: {sorted(acc.state.__dict__)}", file=sys.stderr)
+    return acc
 
 
 def stock_run(make_accelerator: Callable[[], Any]) -> dict[str, Any]:

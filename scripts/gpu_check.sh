@@ -71,7 +71,8 @@ step() {
     shift 3
     local t0=$SECONDS rc=0
     echo "=== $name: $*"
-    timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1 || rc=$?
+    # SIGINT at the limit: pytest then still prints its failures, skips and slowest tests
+    timeout --signal=INT --kill-after=20 "$limit" "$@" >"$out/$name.log" 2>&1 || rc=$?
     tail -n "$lines" "$out/$name.log"
     local verdict="ok"
     if [ "$rc" -ne 0 ]; then
