@@ -67,7 +67,6 @@ CYCLE_DEBT: set[tuple[str, ...]] = {
 
 # rule 2, src/: (file below src/mfsdp_optim, the access as written) -> occurrences
 PRIVATE_ACCESS_DEBT: dict[tuple[str, str], int] = {
-    ("_infra/agreement.py", "comm._all_gather_flat"): 1,
     # the captured step reads the wrapper, its engines, the scaler and the fast step
     ("optim/_captured.py", "e.fast._groups"): 3,
     ("optim/_captured.py", "e.triton._tickets"): 1,
@@ -85,7 +84,6 @@ PRIVATE_ACCESS_DEBT: dict[tuple[str, str], int] = {
     ("optim/_classify.py", "opt._engines"): 1,
     # inherited: OptimizerSurface (optim/_surface.py) defines it
     ("optim/_optimizer.py", "self._engines"): 8,
-    ("stats/_reduce.py", "comm._all_gather_flat"): 1,
     # capture_keepalive: the caches of two other modules
     ("stats/_seam.py", "_fused._table_cache"): 1,
     ("stats/_seam.py", "_fused._workspaces"): 1,

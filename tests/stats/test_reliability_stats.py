@@ -196,7 +196,7 @@ def _rank_count_collectives(kind):
 
     calls = []
     raised = None
-    real_gather, real_reduce = comm._all_gather_flat, dist.all_reduce
+    real_gather, real_reduce = comm.all_gather_flat, dist.all_reduce
 
     def gather(out, inp, group):
         calls.append(("all_gather", inp.numel()))
@@ -206,7 +206,7 @@ def _rank_count_collectives(kind):
         calls.append(("all_reduce", a[0].numel()))
         return real_reduce(*a, **k)
 
-    comm._all_gather_flat, dist.all_reduce = gather, reduce
+    comm.all_gather_flat, dist.all_reduce = gather, reduce
     try:
         if kind == "healthy":
             stats.grad_stats(_good(), norm_type=2.0, count_zeros=True)
@@ -217,7 +217,7 @@ def _rank_count_collectives(kind):
     except (ValueError, stats.RankFailedError) as exc:  # the "fail" case: asserted by the test
         raised = (type(exc).__name__, str(exc))
     finally:
-        comm._all_gather_flat, dist.all_reduce = real_gather, real_reduce
+        comm.all_gather_flat, dist.all_reduce = real_gather, real_reduce
     return calls, raised
 
 

@@ -246,7 +246,7 @@ def gather_messages(
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     world = dist.get_world_size(group)
     out = torch.empty(world * _MESSAGE_BYTES, dtype=torch.uint8, device=device)
-    comm._all_gather_flat(out, mine.to(device), group)
+    comm.all_gather_flat(out, mine.to(device), group)
     raw = out.cpu().view(world, _MESSAGE_BYTES)
     return [bytes(raw[r].tolist()).rstrip(b"\0").decode("utf-8", "replace") for r in range(world)]
 

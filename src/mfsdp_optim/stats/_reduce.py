@@ -387,7 +387,7 @@ def _gather_rows(
     world = dist.get_world_size(group)
     width = _row_width(segments)
     rows = row.new_empty(world * width)
-    comm._all_gather_flat(rows, row, group)  # THE collective: one per call on every rank
+    comm.all_gather_flat(rows, row, group)  # THE collective: one per call on every rank
     rows = rows.view(world, width)
     return rows, failure, p, world
 
