@@ -84,12 +84,6 @@ PRIVATE_ACCESS_DEBT: dict[tuple[str, str], int] = {
     ("optim/_classify.py", "opt._engines"): 1,
     # inherited: OptimizerSurface (optim/_surface.py) defines it
     ("optim/_optimizer.py", "self._engines"): 8,
-    # capture_keepalive: the caches of two other modules
-    ("stats/_seam.py", "_fused._table_cache"): 1,
-    ("stats/_seam.py", "_fused._workspaces"): 1,
-    ("stats/_seam.py", "_reduce._CONSTANTS"): 1,
-    ("stats/_seam.py", "_reduce._SLOTS"): 1,
-    ("stats/_seam.py", "_reduce._SLOTS._cache"): 1,
 }
 
 # rule 2, benchmarks/ scripts/ examples/: (file, the access as written) -> occurrences

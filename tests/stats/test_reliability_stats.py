@@ -326,3 +326,32 @@ def test_agreed_values_that_differ_are_caught_on_every_rank(ranks, kind):
         assert "agreed values of the 4-rank grad-stats group differ" in message, message
         if kind == "deferred":
             assert values == (True,), values
+
+
+def _rank_keepalive():
+    """What a captured step holds (``capture_keepalive``) against the caches it stands for, read
+    directly: the same objects, cache by cache, in the same order."""
+    from mfsdp_optim import stats
+    from mfsdp_optim.stats import _fused, _reduce
+    from mfsdp_optim.stats._seam import capture_keepalive
+
+    stats.grad_stats(_good())
+    stats.grad_stats(_good(), count_zeros=True)  # other verdict slots
+    got = capture_keepalive()
+    want = [
+        list(_fused._table_cache.values()),
+        list(_fused._workspaces.values()),
+        list(_reduce._SLOTS._cache.values()),
+        list(_reduce._CONSTANTS.values()),
+    ]
+    same = len(got) == len(want) and all(
+        len(g) == len(w) and all(a is b for a, b in zip(g, w, strict=True))
+        for g, w in zip(got, want, strict=True)
+    )
+    return same, [len(w) for w in want]
+
+
+def test_capture_keepalive_holds_the_caches_of_the_stats_layer(ranks):
+    [(same, sizes)] = ranks(1).run(_rank_keepalive)
+    assert sizes[2] >= 2 and sizes[3] >= 1, sizes  # something to hold (CPU: no kernel tables)
+    assert same

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .._infra.caches import register
+from .._infra.caches import keep_alive, register
 from .._infra.device_table import DeviceTable, addresses, same_addresses
 from .._infra.kernels import device_helpers, element_offsets, sm_count_of
 
@@ -46,6 +46,8 @@ _table_cache: OrderedDict[tuple, StatsTable] = OrderedDict()
 _workspaces: dict[tuple[int, int], dict[str, Any]] = {}
 _programs_per_sm: dict[tuple, int] = {}
 register(_table_cache.clear)
+keep_alive(_table_cache)  # a captured graph reads the tables and workspaces
+keep_alive(_workspaces)
 
 
 def _env_disabled() -> bool:

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .._infra import comm
+from .._infra import caches, comm
 from .._infra.agreement import (
     RankFailedError,
     RankMismatchError,
@@ -117,11 +117,13 @@ _SLOTS = VerdictSlots(
         why="The statistic is one global number",
     ),
     mismatch=StatsArgumentMismatchError,
+    keep_alive=True,  # a captured step reads them
 )
 _CONTRIBUTION = NONFINITE_SLOT + 1  # the width of one contribution
 _PRESENCE = _CONTRIBUTION  # the two grad-presence sums
 _SEGMENTS = _PRESENCE + 2  # where the segment norm slots start
 _CONSTANTS: dict[tuple, torch.Tensor] = {}  # _constant_slots
+caches.keep_alive(_CONSTANTS)  # a captured step reads them
 _NO_AGREED = (0.0,) * AGREED_WIDTH
 
 

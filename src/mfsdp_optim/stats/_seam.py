@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .._infra.caches import kept_alive
 from ._buckets import BucketKey, Buckets, bucket_local_shards, layout_of
 from ._clip import check_max_norm, clip_divisor, scale_by_clip_coef_
 from ._math import check_norm_type
@@ -91,13 +92,7 @@ def segment_stats_of(
 
 def capture_keepalive() -> list[object]:
     """The stats layer's cached device buffers that a captured CUDA graph reads (the fused
-    kernel's argument tables and workspaces, the verdict slots, the constant slots of the row):
-    a capture holds them so that no replay reads memory a cache dropped."""
-    from . import _fused, _reduce
-
-    return [
-        list(_fused._table_cache.values()),
-        list(_fused._workspaces.values()),
-        list(_reduce._SLOTS._cache.values()),
-        list(_reduce._CONSTANTS.values()),
-    ]
+    kernel's argument tables and workspaces, the verdict slots, the constant slots of the row,
+    each cache's values as a list): a capture holds them so that no replay reads memory a cache
+    dropped. Their owners give these caches to ``_infra.caches.keep_alive``."""
+    return list(kept_alive())
