@@ -333,7 +333,7 @@ def _rank_keepalive():
     directly: the same objects, cache by cache, in the same order."""
     from mfsdp_optim import stats
     from mfsdp_optim.stats import _fused, _reduce
-    from mfsdp_optim.stats._seam import capture_keepalive
+    from mfsdp_optim.stats.seam import capture_keepalive
 
     stats.grad_stats(_good())
     stats.grad_stats(_good(), count_zeros=True)  # other verdict slots

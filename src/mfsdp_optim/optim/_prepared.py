@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .._infra.comm import all_gather_objects
-from ..stats import (
+from ..stats.seam import (
     PRESENCE_PRIME,
     AgreedValuesError,
     GradPresenceError,

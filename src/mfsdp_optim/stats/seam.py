@@ -1,7 +1,7 @@
-"""The stats layer's interface to the wrapper (``mfsdp_optim.optim``), re-exported by the package.
+"""The stats layer's interface to the wrapper (``mfsdp_optim.optim``): in-package, not public API.
 
-The wrapper reaches the stats layer through these names only (``from ..stats import ...``), never
-through a private module; ``tests/infra/test_layers.py`` checks that. What it gets:
+The wrapper reaches the stats layer through this module only (``from ..stats.seam import ...``),
+never through a private module; ``tests/infra/test_layers.py`` checks that. What it gets:
 
 - bucketing: ``Buckets``/``BucketKey`` (local shards grouped by device, dtype and layout) and
   ``layout_of`` (a grad's validated layout, cached per spec);
