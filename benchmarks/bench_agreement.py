@@ -7,7 +7,7 @@
 
 * ``old``: the previous protocol: the rank's contribution plus a failed-ranks slot, ONE
   ``all_reduce(SUM)`` of 4 float64 (p < inf), the norm finished on the device, no agreement;
-* ``new``: :func:`mfsdp_optim.stats._reduce.reduce_buckets`: ONE ``all_gather`` of a 7-float64 row
+* ``new``: :func:`mfsdp_optim.stats.seam.reduce_grads`: ONE ``all_gather`` of a 7-float64 row
   (contribution, failure flag, norm_type, count_zeros, magic), 4 numbers per rank read on the
   host, arguments compared, rows combined in rank order;
 * ``grad_stats``: the whole public call (bucketing + local norms + ``new``), for scale.
@@ -61,7 +61,7 @@ def _worker(rank, world, init, args, out):
 
     from mfsdp_optim import grad_stats
     from mfsdp_optim.stats._buckets import bucket_local_shards
-    from mfsdp_optim.stats._reduce import reduce_buckets
+    from mfsdp_optim.stats.seam import reduce_grads
 
     dev = "cuda" if cuda else "cpu"
     mesh = init_device_mesh(dev, (world,))
@@ -75,7 +75,7 @@ def _worker(rank, world, init, args, out):
     buckets = bucket_local_shards(grads, None)
     fns = {
         "old": lambda: _old_reduce(buckets, 2.0, False, None),
-        "new": lambda: reduce_buckets(buckets, norm_type=2.0, count_zeros=False, group=None),
+        "new": lambda: reduce_grads(buckets, norm_type=2.0, count_zeros=False, group=None),
         "grad_stats": lambda: grad_stats(grads),
     }
     sync = torch.cuda.synchronize if cuda else (lambda: None)

@@ -130,7 +130,6 @@ TOOLS_PRIVATE_IMPORT_DEBT: dict[tuple[str, str], int] = {
     ("benchmarks/bench_agreement.py", "mfsdp_optim.stats._buckets.bucket_local_shards"): 1,
     ("benchmarks/bench_agreement.py", "mfsdp_optim.stats._math.finish_norm"): 1,
     ("benchmarks/bench_agreement.py", "mfsdp_optim.stats._reduce._local_contribution"): 1,
-    ("benchmarks/bench_agreement.py", "mfsdp_optim.stats._reduce.reduce_buckets"): 1,
     ("benchmarks/bench_async_save.py", "mfsdp_optim._infra.params.ParamRecord"): 1,
     ("benchmarks/bench_async_save.py", "mfsdp_optim.checkpoint._host_buffers"): 1,
     ("benchmarks/bench_checkpoint.py", "mfsdp_optim._infra.comm"): 1,

@@ -73,7 +73,8 @@ def _call(kind, rank):
             if bad
             else bucket_local_shards(_good(), None)
         )
-        return _reduce.reduce_buckets(buckets, norm_type=2.0, count_zeros=False, group=None)
+        kw = dict(norm_type=2.0, count_zeros=False, group=None)
+        return _reduce.reduce_grads(buckets, **kw).seg.stats
     if kind == "two_fail":  # ranks 1 and 2 fail differently
         if rank == 1:
             return stats.grad_stats([torch.ones(3)])
@@ -237,27 +238,27 @@ def test_one_collective_when_healthy_two_when_a_rank_failed(ranks):
 
 
 def _rank_device_only():
-    """host_sync=False: the failing rank raises at once; the others get NaN and found_inf."""
+    """read="device": the failing rank raises at once; the others get NaN and found_inf."""
     from mfsdp_optim.stats import _reduce
     from mfsdp_optim.stats._buckets import bucket_local_shards
 
     rank = dist.get_rank()
     buckets = RuntimeError("boom") if rank == BAD else bucket_local_shards(_good(), None)
     try:
-        st = _reduce.reduce_buckets(
-            buckets, norm_type=2.0, count_zeros=False, group=None, host_sync=False
-        )
+        st = _reduce.reduce_grads(
+            buckets, read="device", norm_type=2.0, count_zeros=False, group=None
+        ).seg.stats
     except RuntimeError as exc:
         res = ("raised", str(exc))
     else:
         res = ("ok", math.isnan(float(st.total_norm)), bool(st.found_inf))
-    mismatch = _reduce.reduce_buckets(
+    mismatch = _reduce.reduce_grads(
         bucket_local_shards(_good(), None),
+        read="device",
         norm_type=1.0 if rank == BAD else 2.0,
         count_zeros=False,
         group=None,
-        host_sync=False,
-    )
+    ).seg.stats
     return res, (math.isnan(float(mismatch.total_norm)), bool(mismatch.found_inf))
 
 
@@ -287,9 +288,9 @@ def _rank_agreed(kind):
     out: tuple = ()
     try:
         if kind == "read":
-            _reduce.reduce_segments_read(buckets, **kw)
+            _reduce.reduce_grads(buckets, read="host", **kw)
         elif kind == "device":
-            seg = _reduce.reduce_segments(buckets, **kw)
+            seg = _reduce.reduce_grads(buckets, read="device", **kw).seg
             assert seg.bad is not None
             out = (
                 math.isnan(float(seg.stats.total_norm)),
@@ -297,16 +298,18 @@ def _rank_agreed(kind):
                 bool(seg.bad),
             )
         else:
-            seg, bad, verdict = _reduce.reduce_buckets_deferred(buckets, **kw)
+            deferred = _reduce.reduce_grads(buckets, read="deferred", **kw).deferred
+            assert deferred is not None
+            bad, verdict = deferred
             out = (bool(bad),)
             verdict()
         raised = None
     except _reduce.AgreedValuesError as exc:
         raised = (str(exc), exc.ranks)
     elapsed = time.monotonic() - t0
-    after = _reduce.reduce_segments_read(
-        buckets, **{**kw, "agreed": torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)}
-    )[1]
+    after = _reduce.reduce_grads(
+        buckets, read="host", **{**kw, "agreed": torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)}
+    ).host
     return out, raised, elapsed, after
 
 

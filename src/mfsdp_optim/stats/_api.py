@@ -26,7 +26,7 @@ from ._reduce import (
     GradStats,
     RankFailedError,
     StatsArgumentMismatchError,
-    reduce_buckets,
+    reduce_grads,
 )
 
 __all__ = [
@@ -119,7 +119,10 @@ def grad_stats(
         buckets = bucket_local_shards(grads, group)
     except Exception as exc:  # any type: joins the collective, then raises
         buckets = exc  # type: ignore[assignment]
-    return reduce_buckets(buckets, norm_type=norm_type, count_zeros=count_zeros, group=group)
+    reduced = reduce_grads(
+        buckets, read="host", norm_type=norm_type, count_zeros=count_zeros, group=group
+    )
+    return reduced.seg.stats
 
 
 def get_grad_norm(

@@ -5,12 +5,13 @@ never through a private module; ``tests/infra/test_layers.py`` checks that. What
 
 - bucketing: ``Buckets``/``BucketKey`` (local shards grouped by device, dtype and layout) and
   ``layout_of`` (a grad's validated layout, cached per spec);
-- the one collective over grads in *segments* (one per base optimizer): ``reduce_segments``
-  (device only), ``reduce_segments_read`` (verdict and values read on the host at once),
-  ``reduce_segments_deferred`` (the host read postponed until the caller's gated work is
-  enqueued), each giving a ``SegmentStats``: the totals and every segment's norm from the same
-  row; ``segment_norm`` the norm over several segments; ``segment_stats_of`` the same from
-  DTensor grads (bucketing included); ``packed_values`` the host layout;
+- the one collective over grads in *segments* (one per base optimizer): ``reduce_grads``, its
+  ``read`` (``Read``) the verdict's place: ``"host"`` (verdict and values read at once),
+  ``"device"`` (nothing read) or ``"deferred"`` (the host read postponed until the caller's
+  gated work is enqueued); it gives a ``Reduced`` whose ``SegmentStats`` holds the totals and
+  every segment's norm from the same row; ``segment_norm`` the norm over several segments;
+  ``segment_stats_of`` the same from DTensor grads (bucketing included); ``packed_values`` the
+  host layout;
 - the grad-presence check: ``PRESENCE_PRIME`` (the sums' modulus) and ``GradPresenceError``;
 - the agreed values a caller carries in the row (``agreed=``, ``AGREED_WIDTH`` float64 values
   that must be equal on every rank) and ``AgreedValuesError`` when they differ;
@@ -36,13 +37,13 @@ from ._reduce import (
     GradPresenceError,
     GradStats,
     Parts,
+    Read,
+    Reduced,
     SegmentStats,
     packed_values,
-    reduce_segments,
-    reduce_segments_read,
+    reduce_grads,
     segment_norm,
 )
-from ._reduce import reduce_buckets_deferred as reduce_segments_deferred
 
 __all__ = [
     "AGREED_WIDTH",
@@ -53,6 +54,8 @@ __all__ = [
     "GradPresenceError",
     "GradStats",
     "Parts",
+    "Read",
+    "Reduced",
     "SegmentStats",
     "capture_keepalive",
     "check_max_norm",
@@ -60,9 +63,7 @@ __all__ = [
     "clip_divisor",
     "layout_of",
     "packed_values",
-    "reduce_segments",
-    "reduce_segments_deferred",
-    "reduce_segments_read",
+    "reduce_grads",
     "scale_by_clip_coef_",
     "segment_norm",
     "segment_stats_of",
@@ -84,10 +85,15 @@ def segment_stats_of(
         parts = [bucket_local_shards(g, group) for g in grads]
     except Exception as exc:  # any type: joins the collective, so no rank waits, then raises
         parts = exc
-    kw = dict(segments=len(grads), norm_type=norm_type, count_zeros=count_zeros, group=group)
-    if host_sync:
-        return reduce_segments_read(parts, **kw)[0]  # type: ignore[arg-type]
-    return reduce_segments(parts, **kw)  # type: ignore[arg-type]
+    reduced = reduce_grads(
+        parts,
+        segments=len(grads),
+        read="host" if host_sync else "device",
+        norm_type=norm_type,
+        count_zeros=count_zeros,
+        group=group,
+    )
+    return reduced.seg
 
 
 def capture_keepalive() -> list[object]:
