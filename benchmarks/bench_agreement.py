@@ -38,11 +38,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def _old_reduce(buckets, norm_type, count_zeros, group):
     """The protocol before the agreement (commit bf91e21), reproduced for p < inf."""
-    from mfsdp_optim._infra.comm import collective_device
-    from mfsdp_optim.stats._math import finish_norm
-    from mfsdp_optim.stats._reduce import _local_contribution
+    from mfsdp_optim.stats.kernels import contribution, finish_norm
 
-    local = _local_contribution([buckets], norm_type, count_zeros, collective_device(group))
+    local = contribution(buckets, norm_type=norm_type, count_zeros=count_zeros, group=group)
     local = torch.nn.functional.pad(local, (0, 1))
     dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
     failed = local[3] > 0
@@ -60,7 +58,7 @@ def _worker(rank, world, init, args, out):
     from torch.distributed.tensor import DTensor, Shard
 
     from mfsdp_optim import grad_stats
-    from mfsdp_optim.stats._buckets import bucket_local_shards
+    from mfsdp_optim.stats.kernels import bucket_local_shards
     from mfsdp_optim.stats.seam import reduce_grads
 
     dev = "cuda" if cuda else "cpu"

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -33,17 +33,15 @@ from .._infra.agreement import (
     by_value,
 )
 from .._infra.comm import HostRead, collective_device
-from . import _fused
 from ._buckets import Buckets
+from ._contribution import local_contribution  # imports _fused: its caches are kept first
 from ._math import (
     NONFINITE_SLOT,
     NORM_SLOT,
     ZEROS_SLOT,
     check_norm_type,
     combine_contributions,
-    empty_contribution,
     finish_norm,
-    shard_contribution,
 )
 
 __all__ = [
@@ -307,7 +305,7 @@ def _gather_rows(
             p = check_norm_type(norm_type)
             if count_zeros not in (True, False):
                 raise TypeError(f"count_zeros must be True or False, got {count_zeros!r}")
-            contribution = _local_contribution(
+            contribution = local_contribution(
                 _as_segments(parts, segments),  # type: ignore[arg-type]
                 p,
                 bool(count_zeros),
@@ -476,58 +474,3 @@ def require_member(group: dist.ProcessGroup | None) -> None:
             f"rank {dist.get_rank()} is not in the grad-stats group but called a stats function; "
             "only the group's ranks take part. Pass a group that holds every rank with grads."
         )
-
-
-def _local_contribution(
-    parts: list[Buckets],
-    norm_type: float,
-    count_zeros: bool,
-    device: torch.device,
-    host_reads: bool = False,
-) -> torch.Tensor:
-    """This rank's contribution over every segment, followed by each segment's norm slot when
-    there are several segments."""
-    if len(parts) == 1:
-        return _segment_contribution(parts[0], norm_type, count_zeros, device, host_reads)
-    rows = torch.stack(
-        [_segment_contribution(b, norm_type, count_zeros, device, host_reads) for b in parts]
-    )
-    return torch.cat([combine_contributions(rows, norm_type), rows[:, NORM_SLOT]])
-
-
-def _segment_contribution(
-    buckets: Buckets,
-    norm_type: float,
-    count_zeros: bool,
-    device: torch.device,
-    host_reads: bool = False,
-) -> torch.Tensor:
-    rows = [
-        _bucket_contribution(tensors, norm_type, replication, canonical, count_zeros, host_reads)
-        for (_, _, replication, canonical), tensors in buckets.items()
-    ]
-    if not rows:
-        return empty_contribution(device)
-    if len(rows) == 1:  # the common case, every grad in one layout: nothing to combine
-        return comm.to_collective(rows[0], device)
-    rows = [comm.to_collective(row, device) for row in rows]
-    return combine_contributions(torch.stack(rows), norm_type)
-
-
-def _bucket_contribution(
-    tensors: list[torch.Tensor],
-    norm_type: float,
-    replication: int,
-    canonical: bool,
-    count_zeros: bool,
-    host_reads: bool = False,
-) -> torch.Tensor:
-    """One bucket's contribution: the fused kernel where it applies, else multi-tensor torch
-    (on CPU: ``stats._cpu``, which may read its CPU flags when ``host_reads``)."""
-    kwargs: dict[str, Any] = dict(
-        norm_type=norm_type, replication=replication, canonical=canonical, count_zeros=count_zeros
-    )
-    row = _fused.shard_contribution(tensors, **kwargs)
-    if row is not None:
-        return row
-    return shard_contribution(tensors, host_reads=host_reads, **kwargs)
