@@ -7,7 +7,7 @@
 
 * ``old``: the previous protocol: the rank's contribution plus a failed-ranks slot, ONE
   ``all_reduce(SUM)`` of 4 float64 (p < inf), the norm finished on the device, no agreement;
-* ``new``: :func:`mfsdp_optim.stats._reduce.reduce_buckets`: ONE ``all_gather`` of a 7-float64 row
+* ``new``: :func:`mfsdp_optim.stats.seam.reduce_grads`: ONE ``all_gather`` of a 7-float64 row
   (contribution, failure flag, norm_type, count_zeros, magic), 4 numbers per rank read on the
   host, arguments compared, rows combined in rank order;
 * ``grad_stats``: the whole public call (bucketing + local norms + ``new``), for scale.
@@ -38,11 +38,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def _old_reduce(buckets, norm_type, count_zeros, group):
     """The protocol before the agreement (commit bf91e21), reproduced for p < inf."""
-    from mfsdp_optim._infra.comm import collective_device
-    from mfsdp_optim.stats._math import finish_norm
-    from mfsdp_optim.stats._reduce import _local_contribution
+    from mfsdp_optim.stats.kernels import contribution, finish_norm
 
-    local = _local_contribution([buckets], norm_type, count_zeros, collective_device(group))
+    local = contribution(buckets, norm_type=norm_type, count_zeros=count_zeros, group=group)
     local = torch.nn.functional.pad(local, (0, 1))
     dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
     failed = local[3] > 0
@@ -60,8 +58,8 @@ def _worker(rank, world, init, args, out):
     from torch.distributed.tensor import DTensor, Shard
 
     from mfsdp_optim import grad_stats
-    from mfsdp_optim.stats._buckets import bucket_local_shards
-    from mfsdp_optim.stats._reduce import reduce_buckets
+    from mfsdp_optim.stats.kernels import bucket_local_shards
+    from mfsdp_optim.stats.seam import reduce_grads
 
     dev = "cuda" if cuda else "cpu"
     mesh = init_device_mesh(dev, (world,))
@@ -75,7 +73,7 @@ def _worker(rank, world, init, args, out):
     buckets = bucket_local_shards(grads, None)
     fns = {
         "old": lambda: _old_reduce(buckets, 2.0, False, None),
-        "new": lambda: reduce_buckets(buckets, norm_type=2.0, count_zeros=False, group=None),
+        "new": lambda: reduce_grads(buckets, norm_type=2.0, count_zeros=False, group=None),
         "grad_stats": lambda: grad_stats(grads),
     }
     sync = torch.cuda.synchronize if cuda else (lambda: None)

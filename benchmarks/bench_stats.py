@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor, Shard
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 import mfsdp_optim  # noqa: E402
-from mfsdp_optim.stats import _buckets, _fused  # noqa: E402
+from mfsdp_optim.stats import kernels  # noqa: E402
 
 SETS = [("300x4096x1024", 300, (4096, 1024)), ("3000x512x256", 3000, (512, 256))]
 
@@ -173,29 +173,29 @@ def run_set(name, count, shape, device, mesh, bw, args) -> dict:
     }
 
     diag: dict[str, float] = {}
-    if device.type == "cuda" and _fused.fused_available(device):
+    if device.type == "cuda" and kernels.fused_available(device):
         kw = dict(norm_type=2.0, replication=1, canonical=True, count_zeros=False)
-        plan = _fused._plan(locals_, 2.0, 1, True, False)
-        kernel = _fused._load_triton()
-        timed("fused kernel only", lambda: _fused._launch(kernel, plan))
-        timed("fused bucket call", lambda: _fused.shard_contribution(locals_, **kw))
-        _fused.TABLE_CACHE_ENABLED = False
+        plan = kernels.launch_plan(locals_, 2.0, 1, True, False)
+        kernel = kernels.load_kernel()
+        timed("fused kernel only", lambda: kernels.launch(kernel, plan))
+        timed("fused bucket call", lambda: kernels.shard_contribution(locals_, **kw))
+        kernels.set_table_cache(False)
         try:
             timed(
                 "fused bucket call, no table cache",
-                lambda: _fused.shard_contribution(locals_, **kw),
+                lambda: kernels.shard_contribution(locals_, **kw),
             )
             timed("grad_stats, no table cache", lambda: mfsdp_optim.grad_stats(grads))
             diag["host: fused bucket call, no table cache"] = host_ms(
-                lambda: _fused.shard_contribution(locals_, **kw), device
+                lambda: kernels.shard_contribution(locals_, **kw), device
             )
         finally:
-            _fused.TABLE_CACHE_ENABLED = True
+            kernels.set_table_cache(True)
         diag["host: fused kernel launch only"] = host_ms(
-            lambda: _fused._launch(kernel, plan), device
+            lambda: kernels.launch(kernel, plan), device
         )
         diag["host: fused bucket call"] = host_ms(
-            lambda: _fused.shard_contribution(locals_, **kw), device
+            lambda: kernels.shard_contribution(locals_, **kw), device
         )
         if args.profile:
             import cProfile
@@ -204,8 +204,8 @@ def run_set(name, count, shape, device, mesh, bw, args) -> dict:
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(20):
-                _fused.shard_contribution(locals_, **kw)
-                _buckets.bucket_local_shards(grads, None)
+                kernels.shard_contribution(locals_, **kw)
+                kernels.bucket_local_shards(grads, None)
             prof.disable()
             _sync(device)
             print(
@@ -213,9 +213,10 @@ def run_set(name, count, shape, device, mesh, bw, args) -> dict:
             )
             pstats.Stats(prof).sort_stats("tottime").print_stats(14)
         diag["fused programs"] = plan.num_progs
-        diag["fused programs per SM"] = _fused._programs_per_sm.get(plan.kernel_key, -1)
+        learned = kernels.programs_per_sm(plan.kernel_key)
+        diag["fused programs per SM"] = -1 if learned is None else learned
     diag["host: _buckets.bucket_local_shards"] = host_ms(
-        lambda: _buckets.bucket_local_shards(grads, None), device
+        lambda: kernels.bucket_local_shards(grads, None), device
     )
     diag["host: grad_stats"] = host_ms(lambda: mfsdp_optim.grad_stats(grads), device)
 
@@ -234,8 +235,8 @@ def run_set(name, count, shape, device, mesh, bw, args) -> dict:
 def sweep(device: torch.device, warmup: int, repeats: int) -> None:
     """Tune the fused kernel: time the kernel alone (plan built once) for a few
     (BLOCK, num_warps, FOLD) choices and grid sizes, on both shape sets."""
-    kernel = _fused._load_triton()
-    saved = (_fused._BLOCK, _fused._NUM_WARPS, _fused._FOLD)
+    kernel = kernels.load_kernel()
+    saved = kernels.tuning()
     configs = [(2048, 4, 4), (1024, 4, 4), (2048, 8, 4), (4096, 8, 4), (4096, 4, 8), (8192, 8, 8)]
     for name, count, shape in SETS:
         gen = torch.Generator(device=device).manual_seed(0)
@@ -243,37 +244,37 @@ def sweep(device: torch.device, warmup: int, repeats: int) -> None:
         nbytes = sum(t.numel() * 4 for t in ts)
         print(f"\n# sweep {name}: kernel only, ms and GB/s")
         for cfg in configs:
-            _fused._BLOCK, _fused._NUM_WARPS, _fused._FOLD = cfg
+            kernels.set_tuning(kernels.Tuning(*cfg))
             try:
-                plan = _fused._plan(ts, 2.0, 1, True, False)
-                _fused._launch(kernel, plan)  # compiles, learns the occupancy
-                learned = _fused._programs_per_sm[plan.kernel_key]
+                plan = kernels.launch_plan(ts, 2.0, 1, True, False)
+                kernels.launch(kernel, plan)  # compiles, learns the occupancy
+                learned = kernels.programs_per_sm(plan.kernel_key)
                 for pps in sorted({learned, 1, 2, 4, 8, 16} - {0}):
-                    _fused._programs_per_sm[plan.kernel_key] = pps
-                    plan = _fused._plan(ts, 2.0, 1, True, False)
+                    kernels.set_programs_per_sm(plan.kernel_key, pps)
+                    plan = kernels.launch_plan(ts, 2.0, 1, True, False)
                     ms = time_ms(
-                        lambda plan=plan: _fused._launch(kernel, plan), device, warmup, repeats
+                        lambda plan=plan: kernels.launch(kernel, plan), device, warmup, repeats
                     )
                     tag = " (learned)" if pps == learned else ""
                     print(
                         f"BLOCK={cfg[0]:5d} warps={cfg[1]} FOLD={cfg[2]} "
                         f"programs/SM={pps:2d}{tag:10s} {ms:8.3f} ms {nbytes / ms / 1e6:8.0f} GB/s"
                     )
-                _fused._programs_per_sm[plan.kernel_key] = learned
+                kernels.set_programs_per_sm(plan.kernel_key, learned)
             except Exception as exc:  # keep sweeping
                 print(f"{cfg}: failed: {exc!r}")
         for zeros, p in [(True, 2.0), (False, math.inf), (False, 1.0), (False, 1.5), (False, 0.5)]:
-            _fused._BLOCK, _fused._NUM_WARPS, _fused._FOLD = saved
-            plan = _fused._plan(ts, p, 1, True, zeros)
-            _fused._launch(kernel, plan)
-            plan = _fused._plan(ts, p, 1, True, zeros)
-            ms = time_ms(lambda plan=plan: _fused._launch(kernel, plan), device, warmup, repeats)
+            kernels.set_tuning(saved)
+            plan = kernels.launch_plan(ts, p, 1, True, zeros)
+            kernels.launch(kernel, plan)
+            plan = kernels.launch_plan(ts, p, 1, True, zeros)
+            ms = time_ms(lambda plan=plan: kernels.launch(kernel, plan), device, warmup, repeats)
             print(
                 f"default cfg, p={p} count_zeros={zeros}: {ms:8.3f} ms "
                 f"{nbytes / ms / 1e6:8.0f} GB/s"
             )
         del ts
-    _fused._BLOCK, _fused._NUM_WARPS, _fused._FOLD = saved
+    kernels.set_tuning(saved)
 
 
 def main() -> int:
@@ -297,7 +298,7 @@ def main() -> int:
     scale = args.scale if args.scale is not None else (1.0 if device.type == "cuda" else 0.01)
     init_world(device)
     mesh = init_device_mesh(device.type, (1,))
-    if args.sweep and device.type == "cuda" and _fused.fused_available(device):
+    if args.sweep and device.type == "cuda" and kernels.fused_available(device):
         sweep(device, args.warmup, args.repeats)
 
     copy_bytes = 2 * 2**30 if device.type == "cuda" else max(2**20, int(2**28 * scale))
@@ -318,7 +319,7 @@ def main() -> int:
         "triton": triton_version,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
-        "fused_available": _fused.fused_available(device) if device.type == "cuda" else False,
+        "fused_available": kernels.fused_available(device) if device.type == "cuda" else False,
         "scale": scale,
         "copy_bandwidth_GBps": bw / 1e9,
         "warmup": args.warmup,

@@ -37,7 +37,7 @@ class _Count:
         from mfsdp_optim._infra import comm
 
         self.calls: list[tuple[str, int]] = []
-        self._real = comm._all_gather_flat, dist.all_reduce
+        self._real = comm.all_gather_flat, dist.all_reduce
 
         def gather(out, inp, group):
             self.calls.append(("all_gather", inp.numel()))
@@ -47,13 +47,13 @@ class _Count:
             self.calls.append(("all_reduce", tensor.numel()))
             return self._real[1](tensor, *a, **k)
 
-        comm._all_gather_flat, dist.all_reduce = gather, reduce
+        comm.all_gather_flat, dist.all_reduce = gather, reduce
         return self
 
     def __exit__(self, *exc):
         from mfsdp_optim._infra import comm
 
-        comm._all_gather_flat, dist.all_reduce = self._real
+        comm.all_gather_flat, dist.all_reduce = self._real
 
 
 def _outcome(fn):
@@ -194,7 +194,7 @@ def _rank_slots(case):
     mine = slots.encode(cpu, failure is not None, (norm_type, True))
     with _Count() as count:
         rows = torch.empty(world * (1 + slots.width), dtype=torch.float64)
-        comm._all_gather_flat(rows, torch.cat([payload, mine]), None)  # the caller's collective
+        comm.all_gather_flat(rows, torch.cat([payload, mine]), None)  # the caller's collective
         rows = rows.view(world, 1 + slots.width)
         bad = bool(_slots().bad(rows[:, 1:], (norm_type, True)))  # the device-only verdict
         out = _outcome(lambda: _slots().settle(rows[:, 1:], failure, None, cpu) or rows[:, 0])

@@ -6,9 +6,10 @@ Each layer package's docstring (``_infra``, ``stats``, ``optim``, ``checkpoint``
 "Layers it may import: ``a``, ``b``." (or "none"). Every module under the package (nested ones
 included, function-level imports included) is parsed with ``ast``; every import that resolves to
 another layer must name an allowed layer, and neither the module path below that layer's package
-nor an imported name may start with ``_`` (``from ..stats import Buckets`` is fine, ``from
-..stats._buckets import Buckets`` and ``from ..stats import _reduce`` are not; ``_infra``'s own
-modules are that package's public names). No dependency: the standard library's ``ast``.
+nor an imported name may start with ``_`` (``from ..stats import grad_stats`` and ``from
+..stats.seam import Buckets``, a layer's public module, are fine; ``from ..stats._buckets import
+Buckets`` and ``from ..stats import _reduce`` are not; ``_infra``'s own modules are that
+package's public names). No dependency: the standard library's ``ast``.
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ def test_the_checker_catches_each_kind_of_breach():
         return violations_in(src, module, is_package, "optim", allowed)
 
     assert check("from ..stats import Buckets\nfrom .._infra.placement import x\n") == []
+    assert check("from ..stats.seam import Buckets\n") == []  # a public module of the layer
     assert check("from ._engine import Engine\nimport torch\n") == []
     assert check("from ..stats._buckets import Buckets\n")  # a private module
     assert check("from ..stats import _reduce\n")  # a private module as a name

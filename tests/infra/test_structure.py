@@ -67,7 +67,6 @@ CYCLE_DEBT: set[tuple[str, ...]] = {
 
 # rule 2, src/: (file below src/mfsdp_optim, the access as written) -> occurrences
 PRIVATE_ACCESS_DEBT: dict[tuple[str, str], int] = {
-    ("_infra/agreement.py", "comm._all_gather_flat"): 1,
     # the captured step reads the wrapper, its engines, the scaler and the fast step
     ("optim/_captured.py", "e.fast._groups"): 3,
     ("optim/_captured.py", "e.triton._tickets"): 1,
@@ -85,13 +84,6 @@ PRIVATE_ACCESS_DEBT: dict[tuple[str, str], int] = {
     ("optim/_classify.py", "opt._engines"): 1,
     # inherited: OptimizerSurface (optim/_surface.py) defines it
     ("optim/_optimizer.py", "self._engines"): 8,
-    ("stats/_reduce.py", "comm._all_gather_flat"): 1,
-    # capture_keepalive: the caches of two other modules
-    ("stats/_seam.py", "_fused._table_cache"): 1,
-    ("stats/_seam.py", "_fused._workspaces"): 1,
-    ("stats/_seam.py", "_reduce._CONSTANTS"): 1,
-    ("stats/_seam.py", "_reduce._SLOTS"): 1,
-    ("stats/_seam.py", "_reduce._SLOTS._cache"): 1,
 }
 
 # rule 2, benchmarks/ scripts/ examples/: (file, the access as written) -> occurrences
@@ -100,13 +92,6 @@ TOOLS_PRIVATE_ACCESS_DEBT: dict[tuple[str, str], int] = {
     ("benchmarks/bench_replay.py", "device_table._bulk_check"): 1,
     ("benchmarks/bench_replay.py", "self.wrapper._engines"): 2,
     ("benchmarks/bench_replay.py", "w._captured"): 4,
-    ("benchmarks/bench_stats.py", "_fused._BLOCK"): 4,
-    ("benchmarks/bench_stats.py", "_fused._FOLD"): 4,
-    ("benchmarks/bench_stats.py", "_fused._NUM_WARPS"): 4,
-    ("benchmarks/bench_stats.py", "_fused._launch"): 6,
-    ("benchmarks/bench_stats.py", "_fused._load_triton"): 2,
-    ("benchmarks/bench_stats.py", "_fused._plan"): 5,
-    ("benchmarks/bench_stats.py", "_fused._programs_per_sm"): 4,
     ("benchmarks/bench_step.py", "device_table._bulk_check"): 1,
     ("benchmarks/bench_step.py", "w._captured"): 1,
     ("benchmarks/bench_step.py", "wrapper._engines"): 1,
@@ -134,11 +119,6 @@ LONG_FUNCTION_DEBT: dict[tuple[str, str], int] = {
 
 # rule 5: (file, the private module or name imported) -> occurrences
 TOOLS_PRIVATE_IMPORT_DEBT: dict[tuple[str, str], int] = {
-    ("benchmarks/bench_agreement.py", "mfsdp_optim._infra.comm.collective_device"): 1,
-    ("benchmarks/bench_agreement.py", "mfsdp_optim.stats._buckets.bucket_local_shards"): 1,
-    ("benchmarks/bench_agreement.py", "mfsdp_optim.stats._math.finish_norm"): 1,
-    ("benchmarks/bench_agreement.py", "mfsdp_optim.stats._reduce._local_contribution"): 1,
-    ("benchmarks/bench_agreement.py", "mfsdp_optim.stats._reduce.reduce_buckets"): 1,
     ("benchmarks/bench_async_save.py", "mfsdp_optim._infra.params.ParamRecord"): 1,
     ("benchmarks/bench_async_save.py", "mfsdp_optim.checkpoint._host_buffers"): 1,
     ("benchmarks/bench_checkpoint.py", "mfsdp_optim._infra.comm"): 1,
@@ -151,8 +131,6 @@ TOOLS_PRIVATE_IMPORT_DEBT: dict[tuple[str, str], int] = {
     ("benchmarks/bench_replay.py", "mfsdp_optim._infra.device_table"): 1,
     ("benchmarks/bench_replay.py", "mfsdp_optim.optim._captured.CapturedStep"): 1,
     ("benchmarks/bench_replay.py", "mfsdp_optim.optim._graph.Inputs"): 1,
-    ("benchmarks/bench_stats.py", "mfsdp_optim.stats._buckets"): 1,
-    ("benchmarks/bench_stats.py", "mfsdp_optim.stats._fused"): 1,
     ("benchmarks/bench_step.py", "mfsdp_optim._infra.device_table"): 1,
     ("benchmarks/bench_triton_adam.py", "mfsdp_optim.optim._triton_adam"): 2,
     ("benchmarks/check_batched_ns.py", "mfsdp_optim.optim._whole._muon.batched_newton_schulz"): 1,

@@ -256,14 +256,14 @@ def test_graph_capture_needs_a_table_made_outside_it():
 
 @cuda
 def test_stats_layer_uses_fused_bucket_path():
-    from mfsdp_optim.stats import _reduce
+    from mfsdp_optim.stats import _contribution
 
     ts = [torch.randn(100 + i, device="cuda") for i in range(20)]
     buckets = {
         (ts[0].device, torch.float32, 2, True): ts[:10],
         (ts[0].device, torch.float32, 1, False): ts[10:],
     }
-    got = _reduce._local_contribution([buckets], 2.0, True, ts[0].device)
+    got = _contribution.local_contribution([buckets], 2.0, True, ts[0].device)
     a = reference(ts[:10], **_kw(2.0, 2, True))
     b = reference(ts[10:], **_kw(2.0, 1, False))
     torch.testing.assert_close(got[:3], (a + b)[:3], rtol=1e-9, atol=0)

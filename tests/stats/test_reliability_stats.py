@@ -73,7 +73,8 @@ def _call(kind, rank):
             if bad
             else bucket_local_shards(_good(), None)
         )
-        return _reduce.reduce_buckets(buckets, norm_type=2.0, count_zeros=False, group=None)
+        kw = dict(norm_type=2.0, count_zeros=False, group=None)
+        return _reduce.reduce_grads(buckets, **kw).seg.stats
     if kind == "two_fail":  # ranks 1 and 2 fail differently
         if rank == 1:
             return stats.grad_stats([torch.ones(3)])
@@ -196,7 +197,7 @@ def _rank_count_collectives(kind):
 
     calls = []
     raised = None
-    real_gather, real_reduce = comm._all_gather_flat, dist.all_reduce
+    real_gather, real_reduce = comm.all_gather_flat, dist.all_reduce
 
     def gather(out, inp, group):
         calls.append(("all_gather", inp.numel()))
@@ -206,7 +207,7 @@ def _rank_count_collectives(kind):
         calls.append(("all_reduce", a[0].numel()))
         return real_reduce(*a, **k)
 
-    comm._all_gather_flat, dist.all_reduce = gather, reduce
+    comm.all_gather_flat, dist.all_reduce = gather, reduce
     try:
         if kind == "healthy":
             stats.grad_stats(_good(), norm_type=2.0, count_zeros=True)
@@ -217,7 +218,7 @@ def _rank_count_collectives(kind):
     except (ValueError, stats.RankFailedError) as exc:  # the "fail" case: asserted by the test
         raised = (type(exc).__name__, str(exc))
     finally:
-        comm._all_gather_flat, dist.all_reduce = real_gather, real_reduce
+        comm.all_gather_flat, dist.all_reduce = real_gather, real_reduce
     return calls, raised
 
 
@@ -237,27 +238,27 @@ def test_one_collective_when_healthy_two_when_a_rank_failed(ranks):
 
 
 def _rank_device_only():
-    """host_sync=False: the failing rank raises at once; the others get NaN and found_inf."""
+    """read="device": the failing rank raises at once; the others get NaN and found_inf."""
     from mfsdp_optim.stats import _reduce
     from mfsdp_optim.stats._buckets import bucket_local_shards
 
     rank = dist.get_rank()
     buckets = RuntimeError("boom") if rank == BAD else bucket_local_shards(_good(), None)
     try:
-        st = _reduce.reduce_buckets(
-            buckets, norm_type=2.0, count_zeros=False, group=None, host_sync=False
-        )
+        st = _reduce.reduce_grads(
+            buckets, read="device", norm_type=2.0, count_zeros=False, group=None
+        ).seg.stats
     except RuntimeError as exc:
         res = ("raised", str(exc))
     else:
         res = ("ok", math.isnan(float(st.total_norm)), bool(st.found_inf))
-    mismatch = _reduce.reduce_buckets(
+    mismatch = _reduce.reduce_grads(
         bucket_local_shards(_good(), None),
+        read="device",
         norm_type=1.0 if rank == BAD else 2.0,
         count_zeros=False,
         group=None,
-        host_sync=False,
-    )
+    ).seg.stats
     return res, (math.isnan(float(mismatch.total_norm)), bool(mismatch.found_inf))
 
 
@@ -287,9 +288,9 @@ def _rank_agreed(kind):
     out: tuple = ()
     try:
         if kind == "read":
-            _reduce.reduce_segments_read(buckets, **kw)
+            _reduce.reduce_grads(buckets, read="host", **kw)
         elif kind == "device":
-            seg = _reduce.reduce_segments(buckets, **kw)
+            seg = _reduce.reduce_grads(buckets, read="device", **kw).seg
             assert seg.bad is not None
             out = (
                 math.isnan(float(seg.stats.total_norm)),
@@ -297,16 +298,18 @@ def _rank_agreed(kind):
                 bool(seg.bad),
             )
         else:
-            seg, bad, verdict = _reduce.reduce_buckets_deferred(buckets, **kw)
+            deferred = _reduce.reduce_grads(buckets, read="deferred", **kw).deferred
+            assert deferred is not None
+            bad, verdict = deferred
             out = (bool(bad),)
             verdict()
         raised = None
     except _reduce.AgreedValuesError as exc:
         raised = (str(exc), exc.ranks)
     elapsed = time.monotonic() - t0
-    after = _reduce.reduce_segments_read(
-        buckets, **{**kw, "agreed": torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)}
-    )[1]
+    after = _reduce.reduce_grads(
+        buckets, read="host", **{**kw, "agreed": torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)}
+    ).host
     return out, raised, elapsed, after
 
 
@@ -326,3 +329,32 @@ def test_agreed_values_that_differ_are_caught_on_every_rank(ranks, kind):
         assert "agreed values of the 4-rank grad-stats group differ" in message, message
         if kind == "deferred":
             assert values == (True,), values
+
+
+def _rank_keepalive():
+    """What a captured step holds (``capture_keepalive``) against the caches it stands for, read
+    directly: the same objects, cache by cache, in the same order."""
+    from mfsdp_optim import stats
+    from mfsdp_optim.stats import _fused, _reduce
+    from mfsdp_optim.stats.seam import capture_keepalive
+
+    stats.grad_stats(_good())
+    stats.grad_stats(_good(), count_zeros=True)  # other verdict slots
+    got = capture_keepalive()
+    want = [
+        list(_fused._table_cache.values()),
+        list(_fused._workspaces.values()),
+        list(_reduce._SLOTS._cache.values()),
+        list(_reduce._CONSTANTS.values()),
+    ]
+    same = len(got) == len(want) and all(
+        len(g) == len(w) and all(a is b for a, b in zip(g, w, strict=True))
+        for g, w in zip(got, want, strict=True)
+    )
+    return same, [len(w) for w in want]
+
+
+def test_capture_keepalive_holds_the_caches_of_the_stats_layer(ranks):
+    [(same, sizes)] = ranks(1).run(_rank_keepalive)
+    assert sizes[2] >= 2 and sizes[3] >= 1, sizes  # something to hold (CPU: no kernel tables)
+    assert same

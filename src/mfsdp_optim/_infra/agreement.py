@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import comm
+from . import caches, comm
 
 __all__ = [
     "Failure",
@@ -246,7 +246,7 @@ def gather_messages(
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     world = dist.get_world_size(group)
     out = torch.empty(world * _MESSAGE_BYTES, dtype=torch.uint8, device=device)
-    comm._all_gather_flat(out, mine.to(device), group)
+    comm.all_gather_flat(out, mine.to(device), group)
     raw = out.cpu().view(world, _MESSAGE_BYTES)
     return [bytes(raw[r].tolist()).rstrip(b"\0").decode("utf-8", "replace") for r in range(world)]
 
@@ -266,6 +266,8 @@ class VerdictSlots:
         magic: The marker, a float64-exact value particular to this collective.
         wording: The nouns of the messages.
         mismatch: The error raised on every rank for differing arguments or a foreign row.
+        keep_alive: The encoded slots may be read by a captured CUDA graph: they are listed by
+            ``caches.kept_alive()``.
     """
 
     def __init__(
@@ -274,6 +276,7 @@ class VerdictSlots:
         magic: float,
         wording: Wording,
         mismatch: type[RankMismatchError] = RankMismatchError,
+        keep_alive: bool = False,
     ):
         self.names = tuple(arguments)
         self.types = tuple(arguments.values())
@@ -282,6 +285,8 @@ class VerdictSlots:
         self.mismatch = mismatch
         self.width = len(self.names) + 2
         self._cache: dict[tuple, torch.Tensor] = {}
+        if keep_alive:
+            caches.keep_alive(self._cache)
 
     def encode(self, device: torch.device, failed: bool, values: Sequence[float]) -> torch.Tensor:
         """This rank's slots as a float64 tensor on ``device`` that is never written (so it is

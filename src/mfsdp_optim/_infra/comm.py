@@ -1,8 +1,9 @@
-"""Collective plumbing shared by the layers: the group's device, a numpy-free object gather and
-object all-to-all, host reads that wait for the values they read, not for everything enqueued
-after them, host values staged for a copy to the device that does not make the host wait
-(``staged_for``) or made once and kept there (``device_constant``), a group's timeout, and a
-gloo group of a device group's ranks for host-side values (``host_group_of``)."""
+"""Collective plumbing shared by the layers: the group's device, the all-gather of a flat tensor
+(``all_gather_flat``), a numpy-free object gather and object all-to-all, host reads that wait
+for the values they read, not for everything enqueued after them, host values staged for a copy
+to the device that does not make the host wait (``staged_for``) or made once and kept there
+(``device_constant``), a group's timeout, and a gloo group of a device group's ranks for
+host-side values (``host_group_of``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch.distributed as dist
 __all__ = [
     "SENT",
     "HostRead",
+    "all_gather_flat",
     "all_gather_objects",
     "all_reduce_max",
     "all_to_all_objects",
@@ -181,14 +183,14 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list
     SENT["all_gather_objects"] += 8 + len(payload)
     size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     sizes = torch.empty(world, dtype=torch.int64, device=device)
-    _all_gather_flat(sizes, size, group)
+    all_gather_flat(sizes, size, group)
     sizes_host = sizes.tolist()
     width = max(sizes_host)
     mine = torch.zeros(width, dtype=torch.uint8)
     if payload:
         mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     gathered = torch.empty(world * width, dtype=torch.uint8, device=device)
-    _all_gather_flat(gathered, mine.to(device), group)
+    all_gather_flat(gathered, mine.to(device), group)
     host = gathered.cpu()
     base = host.data_ptr()
     return [pickle.loads(ctypes.string_at(base + r * width, n)) for r, n in enumerate(sizes_host)]
@@ -229,7 +231,9 @@ def all_reduce_max(values: torch.Tensor, group: dist.ProcessGroup | None = None)
     return buf.cpu()
 
 
-def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None):
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None):
+    """Every rank's ``inp`` into ``out`` (``world * inp.numel()`` elements, in group-rank order):
+    ONE all-gather of flat tensors."""
     # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, inp, group=group)

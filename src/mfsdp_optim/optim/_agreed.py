@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from .._infra import caches
 from .._infra.agreement import RankMismatchError, Wording, agree, digest
 from .._infra.comm import collective_device, staged_for
-from ..stats import AGREED_WIDTH
+from ..stats.seam import AGREED_WIDTH
 
 __all__ = [
     "AgreedSlots",

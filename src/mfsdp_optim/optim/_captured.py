@@ -416,7 +416,7 @@ class CapturedStep:
         the device constants of Muon's agreement): held while the capture lives, so no replay
         reads freed memory."""
         from .._infra.comm import device_constants
-        from ..stats import capture_keepalive
+        from ..stats.seam import capture_keepalive
 
         keep: list[Any] = capture_keepalive() + device_constants()
         keep.append(self.wrapper._agreement.buffer)

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .._infra.agreement import digest
-from ..stats import PRESENCE_PRIME, Buckets
+from ..stats.seam import PRESENCE_PRIME, Buckets
 from ._config import OptimizerConfig
 from ._dispatch import Route, base_step, detect_precision_aware, route_of
 from ._fast_step import FastAdamStep

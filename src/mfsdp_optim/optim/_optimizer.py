@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .._infra.grouping import by_device_dtype
-from ..stats import check_max_norm, clip_divisor, scale_by_clip_coef_
+from ..stats.seam import check_max_norm, clip_divisor, scale_by_clip_coef_
 from . import _checkpointing
 from ._agreed import AgreedSlots
 from ._config import OptimizerConfig

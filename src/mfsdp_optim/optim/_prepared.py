@@ -6,7 +6,7 @@ same row), the deferred verdict (where the update can be gated on the device and
 waits only after it is enqueued) and the host values read with the verdict. ``StepResult``
 turns it into ``step()``'s triple and ``grad_norms``, reading the host at most once;
 ``clip_norms`` gives each engine the norm its clip uses under ``OptimizerConfig.clip_scope``.
-The stats layer is reached through its package interface (``stats._seam``) only.
+The stats layer is reached through its interface module (``stats.seam``) only.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .._infra.comm import all_gather_objects
-from ..stats import (
+from ..stats.seam import (
     PRESENCE_PRIME,
     AgreedValuesError,
     GradPresenceError,
@@ -27,9 +27,7 @@ from ..stats import (
     Parts,
     SegmentStats,
     packed_values,
-    reduce_segments,
-    reduce_segments_deferred,
-    reduce_segments_read,
+    reduce_grads,
     segment_norm,
     segment_stats_of,
 )
@@ -86,9 +84,8 @@ def reduce(
         presence=presence,
         agreed=agreed,
     )
-    if not host_sync:
-        return reduce_segments(parts, **kw), None
-    return reduce_segments_read(parts, **kw)
+    reduced = reduce_grads(parts, read="host" if host_sync else "device", **kw)
+    return reduced.seg, reduced.host
 
 
 def stats_of(
@@ -124,7 +121,7 @@ def prepare(
     device verdict is bad, see ``SegmentStats.bad``).
 
     ``defer``: where every engine's update can be gated on the device, postpone the
-    collective's host-side verdict until the update is enqueued (``reduce_segments_deferred``).
+    collective's host-side verdict until the update is enqueued (``read="deferred"``).
     On an error every engine's work grads are dropped and it is raised after the collective."""
     parts: Parts
     in_group = engines[0].table.in_stats_group
@@ -162,8 +159,10 @@ def prepare(
             and in_group
             and all(e.skips_on_device() for e in engines)
         ):
-            seg, bad, verdict = reduce_segments_deferred(parts, **kw)
-            return Prepared(seg, (bad, _naming(verdict, engines, agreement, group)), None)
+            reduced = reduce_grads(parts, read="deferred", **kw)
+            assert reduced.deferred is not None
+            bad, verdict = reduced.deferred
+            return Prepared(reduced.seg, (bad, _naming(verdict, engines, agreement, group)), None)
         seg, host = reduce(parts, host_sync=host_sync, in_group=in_group, **kw)
         return Prepared(seg, None, host)
     except GradPresenceError:

@@ -24,7 +24,7 @@ from .._infra.params import strip_compile_prefix
 from .._infra.placement import mesh_ranks_outside_group
 
 if TYPE_CHECKING:
-    from ..stats import BucketKey
+    from ..stats.seam import BucketKey
 
 __all__ = ["Slot", "SlotTable", "fqn_map"]
 

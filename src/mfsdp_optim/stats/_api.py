@@ -2,7 +2,8 @@
 
 Map: ``grad_stats`` (norm, zeros and the non-finite flag as ``GradStats``), ``get_grad_norm``,
 ``count_zeros``, ``clip_grads_with_norm_`` and ``count_replication``; ``RankFailedError`` and
-``StatsArgumentMismatchError`` what a refused input raises. Grads are DTensors, each on its own
+``StatsArgumentMismatchError`` what a refused input raises (``GradPresenceError``: the wrapper's
+grads present on some ranks of a mesh only). Grads are DTensors, each on its own
 mesh; every function answers about the *global* tensors with ONE collective over the grad-stats
 group, which every rank of it calls. How a rank contributes, worked on a 2x2 mesh:
 docs/concepts.md, "Replication".
@@ -20,9 +21,16 @@ from .._infra.grouping import by_device_dtype
 from .._infra.placement import layout_info, require_dtensor
 from ._buckets import bucket_local_shards
 from ._clip import check_max_norm, scale_by_clip_coef_
-from ._reduce import GradStats, RankFailedError, StatsArgumentMismatchError, reduce_buckets
+from ._reduce import (
+    GradPresenceError,
+    GradStats,
+    RankFailedError,
+    StatsArgumentMismatchError,
+    reduce_grads,
+)
 
 __all__ = [
+    "GradPresenceError",
     "GradStats",
     "RankFailedError",
     "StatsArgumentMismatchError",
@@ -111,7 +119,10 @@ def grad_stats(
         buckets = bucket_local_shards(grads, group)
     except Exception as exc:  # any type: joins the collective, then raises
         buckets = exc  # type: ignore[assignment]
-    return reduce_buckets(buckets, norm_type=norm_type, count_zeros=count_zeros, group=group)
+    reduced = reduce_grads(
+        buckets, read="host", norm_type=norm_type, count_zeros=count_zeros, group=group
+    )
+    return reduced.seg.stats
 
 
 def get_grad_norm(

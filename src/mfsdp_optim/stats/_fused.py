@@ -15,15 +15,27 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from .._infra.caches import register
+from .._infra.caches import keep_alive, register
 from .._infra.device_table import DeviceTable, addresses, same_addresses
 from .._infra.kernels import device_helpers, element_offsets, sm_count_of
 
-__all__ = ["shard_contribution", "fused_available"]
+__all__ = [
+    "Tuning",
+    "fused_available",
+    "launch",
+    "launch_plan",
+    "load_kernel",
+    "programs_per_sm",
+    "set_programs_per_sm",
+    "set_table_cache",
+    "set_tuning",
+    "shard_contribution",
+    "tuning",
+]
 
 # Elements per item (one masked or unmasked load per program iteration) and warps per program.
 _BLOCK = 2048
@@ -46,6 +58,8 @@ _table_cache: OrderedDict[tuple, StatsTable] = OrderedDict()
 _workspaces: dict[tuple[int, int], dict[str, Any]] = {}
 _programs_per_sm: dict[tuple, int] = {}
 register(_table_cache.clear)
+keep_alive(_table_cache)  # a captured graph reads the tables and workspaces
+keep_alive(_workspaces)
 
 
 def _env_disabled() -> bool:
@@ -608,3 +622,71 @@ def _mixed_contribution(
             return None
         rows.append(fused)
     return combine_contributions(torch.stack(rows), norm_type)
+
+
+# -- a launch taken apart and the tuning knobs, for benchmarks/bench_stats.py (``stats.kernels``)
+
+
+class Tuning(NamedTuple):
+    """The kernel's compile-time shape (each set of values is a variant of its own).
+
+    Attributes:
+        block: Elements per item (one load per program iteration).
+        num_warps: Warps per program.
+        fold: Neighbouring elements folded in registers before the per-lane accumulators.
+    """
+
+    block: int
+    num_warps: int
+    fold: int
+
+
+def tuning() -> Tuning:
+    """The shape every launch plan takes now."""
+    return Tuning(_BLOCK, _NUM_WARPS, _FOLD)
+
+
+def set_tuning(shape: Tuning) -> None:
+    """Make ``shape`` the one that plans built from now on take (a benchmark's sweep)."""
+    global _BLOCK, _NUM_WARPS, _FOLD
+    _BLOCK, _NUM_WARPS, _FOLD = shape
+
+
+def set_table_cache(enabled: bool) -> None:
+    """Keep the persistent argument tables between calls (the default), or build one per call."""
+    global TABLE_CACHE_ENABLED
+    TABLE_CACHE_ENABLED = enabled
+
+
+def load_kernel() -> Any | None:
+    """The compiled-on-first-launch Triton kernel, or None where Triton cannot build it."""
+    return _load_triton()
+
+
+def launch_plan(
+    tensors: Sequence[torch.Tensor],
+    norm_type: float,
+    replication: int,
+    canonical: bool,
+    count_zeros: bool,
+) -> _Plan | None:
+    """A launch plan for contiguous ``tensors`` of one CUDA device and dtype (None where the
+    kernel cannot take them); its ``num_progs`` is the grid and ``kernel_key`` the variant."""
+    return _plan(tensors, norm_type, replication, canonical, count_zeros)
+
+
+def launch(kernel: Any, plan: _Plan) -> torch.Tensor:
+    """One launch of ``kernel`` (``load_kernel()``) over ``plan`` on the current stream; returns
+    the float64 contribution."""
+    return _launch(kernel, plan)
+
+
+def programs_per_sm(kernel_key: tuple) -> int | None:
+    """The programs per SM a variant's grid is sized by: learned at its first launch (None
+    before)."""
+    return _programs_per_sm.get(kernel_key)
+
+
+def set_programs_per_sm(kernel_key: tuple, programs: int) -> None:
+    """Size the grids of the variant ``kernel_key`` by ``programs`` per SM from now on."""
+    _programs_per_sm[kernel_key] = programs

@@ -10,20 +10,21 @@ must be equal on every rank; zeros for the stats functions; ``AgreedValuesError`
 when they differ) and the verdict slots of the rank-agreement protocol
 (``_infra.agreement.VerdictSlots``: a refused rank, differing arguments or a foreign row raise on
 every rank; a second, fixed-size all-gather of messages only when a rank failed). Healthy case:
-that one collective, combined locally (a sum, or a max for ``p = inf``); ``host_sync=False``
-keeps the verdict on the device (a NaN norm and ``found_inf`` on the healthy ranks).
+that one collective, combined locally (a sum, or a max for ``p = inf``). ``reduce_grads`` is
+the one entry; its ``read`` says where the verdict is read: on the host at once, never (kept on
+the device: a NaN norm and ``found_inf`` on the healthy ranks), or later (deferred).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from .._infra import comm
+from .._infra import caches, comm
 from .._infra.agreement import (
     RankFailedError,
     RankMismatchError,
@@ -32,17 +33,15 @@ from .._infra.agreement import (
     by_value,
 )
 from .._infra.comm import HostRead, collective_device
-from . import _fused
 from ._buckets import Buckets
+from ._contribution import local_contribution  # imports _fused: its caches are kept first
 from ._math import (
     NONFINITE_SLOT,
     NORM_SLOT,
     ZEROS_SLOT,
     check_norm_type,
     combine_contributions,
-    empty_contribution,
     finish_norm,
-    shard_contribution,
 )
 
 __all__ = [
@@ -55,12 +54,10 @@ __all__ = [
     "StatsArgumentMismatchError",
     "Parts",
     "SegmentStats",
+    "Read",
+    "Reduced",
     "packed_values",
-    "reduce_buckets",
-    "reduce_buckets_deferred",
-    "reduce_buckets_read",
-    "reduce_segments",
-    "reduce_segments_read",
+    "reduce_grads",
     "require_member",
     "segment_norm",
 ]
@@ -117,11 +114,13 @@ _SLOTS = VerdictSlots(
         why="The statistic is one global number",
     ),
     mismatch=StatsArgumentMismatchError,
+    keep_alive=True,  # a captured step reads them
 )
 _CONTRIBUTION = NONFINITE_SLOT + 1  # the width of one contribution
 _PRESENCE = _CONTRIBUTION  # the two grad-presence sums
 _SEGMENTS = _PRESENCE + 2  # where the segment norm slots start
 _CONSTANTS: dict[tuple, torch.Tensor] = {}  # _constant_slots
+caches.keep_alive(_CONSTANTS)  # a captured step reads them
 _NO_AGREED = (0.0,) * AGREED_WIDTH
 
 
@@ -164,7 +163,7 @@ class SegmentStats(NamedTuple):
             device-side verdict found a failed rank (like ``stats.total_norm``).
         slots: 1-D float64, each segment's combined norm slot (``sum |x|**p``, or ``max|x|`` for
             ``p = inf``): what ``segment_norm`` combines for the norm of several segments.
-        bad: 0-d bool on the device, from the device-side verdict (``reduce_segments``): some
+        bad: 0-d bool on the device, from the device-side verdict (``read="device"``): some
             rank failed, or ranks' arguments, grad presence or agreed values differ; the
             statistics are then NaN. None where the verdict was read on the host.
     """
@@ -190,148 +189,96 @@ def segment_norm(seg: SegmentStats, indices: Sequence[int], norm_type: float) ->
     return finish_norm(slot, p)
 
 
-def reduce_buckets(
-    buckets: Parts,
-    *,
-    norm_type: float,
-    count_zeros: bool,
-    group: dist.ProcessGroup | None,
-    host_sync: bool = True,
-    presence: tuple[int, int] = (0, 0),
-) -> GradStats:
-    """The global statistics of every rank's ``buckets`` (see ``_buckets``), one collective.
+Read = Literal["host", "device", "deferred"]
 
-    ``buckets`` may instead be the exception (any type) that building them raised on this rank:
-    the rank still joins the collective, so no peer waits for it. Whenever any rank failed,
-    EVERY rank raises: the failing rank its own exception, the others ``RankFailedError``
-    naming it (a second, fixed-size all-gather carries the messages). ``norm_type`` and
-    ``count_zeros`` must be equal on every rank (``StatsArgumentMismatchError`` on every
-    rank otherwise).
 
-    ``host_sync=False`` (the wrapper's device-only mode) reads nothing back to the host: a
-    failing rank still raises its own exception right after the one collective, while the
-    others cannot know without a host read, so they get ``total_norm=NaN`` and
-    ``found_inf=True`` on the device (a grad scaler then skips the step on every rank).
+class Reduced(NamedTuple):
+    """What ``reduce_grads`` returns; ``read`` chose which of ``host`` and ``deferred`` is set.
+
+    Attributes:
+        seg: The statistics on the device. ``read="device"``: the verdict folded in
+            (``SegmentStats.bad``; NaN statistics where it is bad).
+        host: ``read="host"``: ``[found_inf, total_norm, num_zeros, *segment norms]`` as floats
+            (``num_zeros`` 0 unless counted), read on the host with the verdict; else None.
+        deferred: ``read="deferred"``: ``(bad, verdict)``, ``bad`` a 0-d bool on the device
+            (some rank failed or ranks disagree) and ``verdict()`` the host read and the checks
+            that ``read="host"`` does at once, returning its ``host`` values; else None.
     """
-    kw: dict[str, Any] = dict(
-        norm_type=norm_type, count_zeros=count_zeros, group=group, presence=presence
-    )
-    if host_sync:
-        return reduce_segments_read(buckets, segments=1, **kw)[0].stats
-    return reduce_segments(buckets, segments=1, **kw).stats
+
+    seg: SegmentStats
+    host: list[float] | None = None
+    deferred: tuple[torch.Tensor, Callable[[], list[float]]] | None = None
 
 
-def reduce_buckets_read(
-    buckets: Parts,
-    *,
-    norm_type: float,
-    count_zeros: bool,
-    group: dist.ProcessGroup | None,
-    presence: tuple[int, int] = (0, 0),
-) -> tuple[GradStats, list[float]]:
-    """``reduce_buckets(host_sync=True)``, and the statistics on the host from the same single
-    read: ``[found_inf, total_norm, num_zeros]`` as floats (``num_zeros`` 0 unless counted)."""
-    seg, values = reduce_segments_read(
-        buckets,
-        segments=1,
-        norm_type=norm_type,
-        count_zeros=count_zeros,
-        group=group,
-        presence=presence,
-    )
-    return seg.stats, values[:3]
+_READS = ("host", "device", "deferred")
 
 
-def reduce_segments(
+def reduce_grads(
     parts: Parts,
     *,
-    segments: int,
-    norm_type: float,
-    count_zeros: bool,
-    group: dist.ProcessGroup | None,
-    presence: tuple[int, int] = (0, 0),
-    agreed: torch.Tensor | None = None,
-) -> SegmentStats:
-    """``reduce_buckets(host_sync=False)`` over ``segments`` segments (``parts``: one
-    ``Buckets`` per segment, every rank the same number): the totals and each segment's norm
-    from the same single collective, nothing read on the host. ``agreed``: ``AGREED_WIDTH``
-    float64 values on the group's device that must be equal on every rank (zeros if None);
-    where they differ, the device verdict is bad (``SegmentStats.bad``)."""
-    require_member(group)
-    device = collective_device(group)
-    rows, failure, p, _ = _gather_rows(
-        parts, norm_type, count_zeros, group, device, segments, presence=presence, agreed=agreed
-    )
-    if failure is not None:
-        raise failure
-    return _device_verdict(rows, p, bool(count_zeros), segments)
-
-
-def reduce_segments_read(
-    parts: Parts,
-    *,
-    segments: int,
-    norm_type: float,
-    count_zeros: bool,
-    group: dist.ProcessGroup | None,
-    presence: tuple[int, int] = (0, 0),
-    agreed: torch.Tensor | None = None,
-) -> tuple[SegmentStats, list[float]]:
-    """``reduce_segments`` with the verdict read on the host, and the statistics on the host
-    from the same single read: ``[found_inf, total_norm, num_zeros, *segment norms]`` as
-    floats (``num_zeros`` 0 unless counted). Agreed values that differ: ``AgreedValuesError``
-    on every rank (after the checks of the verdict slots)."""
-    require_member(group)
-    device = collective_device(group)
-    rows, failure, p, world = _gather_rows(
-        parts, norm_type, count_zeros, group, device, segments, True, presence, agreed
-    )
-    seg, read = _start_read(rows, failure, p, bool(count_zeros), segments)
-    values = _verdict_on_host(read, failure, group, device, world)
-    assert seg is not None  # a failure raised in the verdict
-    return seg, values
-
-
-def reduce_buckets_deferred(
-    buckets: Parts,
-    *,
-    norm_type: float,
-    count_zeros: bool,
-    group: dist.ProcessGroup | None,
     segments: int = 1,
+    read: Read = "host",
+    norm_type: float,
+    count_zeros: bool,
+    group: dist.ProcessGroup | None,
     presence: tuple[int, int] = (0, 0),
     agreed: torch.Tensor | None = None,
-) -> tuple[SegmentStats, torch.Tensor, Callable[[], list[float]]]:
-    """``reduce_segments_read()`` with its host-side verdict postponed: ``(seg, bad, verdict)``.
+) -> Reduced:
+    """The global statistics of every rank's ``parts``, from ONE collective: the totals and,
+    over ``segments`` segments, each segment's norm from the same row.
 
-    ``seg`` and ``bad`` (a 0-d bool tensor: some rank failed or ranks disagree) stay on the
-    device; ``verdict()`` later does what ``reduce_buckets`` does right after the collective
-    (the message gather when some rank failed, the raise) and returns the host values of
-    ``reduce_segments_read``, so a caller can enqueue device work that ``bad`` gates (the
-    wrapper's fused update) before the host waits. The host copy is enqueued here, before that
-    work (``comm.HostRead``): ``verdict()`` waits for the statistics, not for the update.
-    A rank whose own input failed gets a ``verdict`` that raises at once; it must still call it
-    at the same point as its peers, which issue the message gather there.
+    ``parts``: one ``Buckets`` per segment (a bare ``Buckets`` is one segment; every rank the
+    same number), or the exception (any type) that building them raised on this rank: the rank
+    still joins the collective, so no peer waits for it. ``norm_type`` and ``count_zeros`` must
+    be equal on every rank; so must ``agreed`` (``AGREED_WIDTH`` float64 values on the group's
+    device; zeros if None) and the grad-presence sums ``presence`` (mod ``PRESENCE_PRIME``).
+
+    ``read`` says where the verdict is read:
+
+    - ``"host"``: at once. Whenever any rank failed, EVERY rank raises: the failing rank its own
+      exception, the others ``RankFailedError`` naming it (a second, fixed-size all-gather
+      carries the messages); differing arguments: ``StatsArgumentMismatchError``; differing
+      agreed values: ``AgreedValuesError``; presence sums that differ: ``GradPresenceError``,
+      each on every rank.
+    - ``"device"``: never (nothing read back to the host). A failing rank still raises its own
+      exception right after the collective; the others cannot know without a host read, so
+      they get ``total_norm=NaN`` and ``found_inf=True`` (a grad scaler then skips the step on
+      every rank), and every check above makes ``seg.bad`` set.
+    - ``"deferred"``: later, by ``verdict()`` (``Reduced.deferred``), so a caller can enqueue
+      device work that ``bad`` gates (the wrapper's fused update) before the host waits. The
+      host copy is enqueued here, before that work (``comm.HostRead``): ``verdict()`` waits for
+      the statistics, not for the update. A rank whose own input failed gets a ``verdict`` that
+      raises at once; it must still call it at the same point as its peers, which issue the
+      message gather there.
     """
+    if read not in _READS:
+        raise ValueError(f"read must be one of {_READS}, got {read!r}")
     require_member(group)
     device = collective_device(group)
+    host_reads = read != "device"
     rows, failure, p, world = _gather_rows(
-        buckets, norm_type, count_zeros, group, device, segments, True, presence, agreed
+        parts, norm_type, count_zeros, group, device, segments, host_reads, presence, agreed
     )
-    seg, read = _start_read(rows, failure, p, bool(count_zeros), segments)
-    if seg is None:
+    zeros = bool(count_zeros)
+    if read == "device":
+        if failure is not None:
+            raise failure
+        return Reduced(_device_verdict(rows, p, zeros, segments))
+    seg, pending = _start_read(rows, failure, p, zeros, segments)
+    if read == "host":
+        values = _verdict_on_host(pending, failure, group, device, world)
+        assert seg is not None  # a failure raised in the verdict
+        return Reduced(seg, host=values)
+
+    def verdict() -> list[float]:
+        return _verdict_on_host(pending, failure, group, device, world)
+
+    if seg is None:  # this rank failed: its verdict raises
         nan = torch.full((segments,), torch.nan)
         failed = GradStats(torch.full((), torch.nan), None, torch.ones((), dtype=torch.bool))
-        return (
-            SegmentStats(failed, nan, nan.double()),
-            torch.ones((), dtype=torch.bool),
-            lambda: _verdict_on_host(read, failure, group, device, world),
-        )
-    return (
-        seg,
-        _bad(rows, p, bool(count_zeros)),
-        lambda: _verdict_on_host(read, None, group, device, world),
-    )
+        seg = SegmentStats(failed, nan, nan.double())
+        return Reduced(seg, deferred=(torch.ones((), dtype=torch.bool), verdict))
+    return Reduced(seg, deferred=(_bad(rows, p, zeros), verdict))
 
 
 def _gather_rows(
@@ -358,7 +305,7 @@ def _gather_rows(
             p = check_norm_type(norm_type)
             if count_zeros not in (True, False):
                 raise TypeError(f"count_zeros must be True or False, got {count_zeros!r}")
-            contribution = _local_contribution(
+            contribution = local_contribution(
                 _as_segments(parts, segments),  # type: ignore[arg-type]
                 p,
                 bool(count_zeros),
@@ -387,7 +334,7 @@ def _gather_rows(
     world = dist.get_world_size(group)
     width = _row_width(segments)
     rows = row.new_empty(world * width)
-    comm._all_gather_flat(rows, row, group)  # THE collective: one per call on every rank
+    comm.all_gather_flat(rows, row, group)  # THE collective: one per call on every rank
     rows = rows.view(world, width)
     return rows, failure, p, world
 
@@ -527,58 +474,3 @@ def require_member(group: dist.ProcessGroup | None) -> None:
             f"rank {dist.get_rank()} is not in the grad-stats group but called a stats function; "
             "only the group's ranks take part. Pass a group that holds every rank with grads."
         )
-
-
-def _local_contribution(
-    parts: list[Buckets],
-    norm_type: float,
-    count_zeros: bool,
-    device: torch.device,
-    host_reads: bool = False,
-) -> torch.Tensor:
-    """This rank's contribution over every segment, followed by each segment's norm slot when
-    there are several segments."""
-    if len(parts) == 1:
-        return _segment_contribution(parts[0], norm_type, count_zeros, device, host_reads)
-    rows = torch.stack(
-        [_segment_contribution(b, norm_type, count_zeros, device, host_reads) for b in parts]
-    )
-    return torch.cat([combine_contributions(rows, norm_type), rows[:, NORM_SLOT]])
-
-
-def _segment_contribution(
-    buckets: Buckets,
-    norm_type: float,
-    count_zeros: bool,
-    device: torch.device,
-    host_reads: bool = False,
-) -> torch.Tensor:
-    rows = [
-        _bucket_contribution(tensors, norm_type, replication, canonical, count_zeros, host_reads)
-        for (_, _, replication, canonical), tensors in buckets.items()
-    ]
-    if not rows:
-        return empty_contribution(device)
-    if len(rows) == 1:  # the common case, every grad in one layout: nothing to combine
-        return comm.to_collective(rows[0], device)
-    rows = [comm.to_collective(row, device) for row in rows]
-    return combine_contributions(torch.stack(rows), norm_type)
-
-
-def _bucket_contribution(
-    tensors: list[torch.Tensor],
-    norm_type: float,
-    replication: int,
-    canonical: bool,
-    count_zeros: bool,
-    host_reads: bool = False,
-) -> torch.Tensor:
-    """One bucket's contribution: the fused kernel where it applies, else multi-tensor torch
-    (on CPU: ``stats._cpu``, which may read its CPU flags when ``host_reads``)."""
-    kwargs: dict[str, Any] = dict(
-        norm_type=norm_type, replication=replication, canonical=canonical, count_zeros=count_zeros
-    )
-    row = _fused.shard_contribution(tensors, **kwargs)
-    if row is not None:
-        return row
-    return shard_contribution(tensors, host_reads=host_reads, **kwargs)

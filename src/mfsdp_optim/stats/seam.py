@@ -1,16 +1,17 @@
-"""The stats layer's interface to the wrapper (``mfsdp_optim.optim``), re-exported by the package.
+"""The stats layer's interface to the wrapper (``mfsdp_optim.optim``): in-package, not public API.
 
-The wrapper reaches the stats layer through these names only (``from ..stats import ...``), never
-through a private module; ``tests/infra/test_layers.py`` checks that. What it gets:
+The wrapper reaches the stats layer through this module only (``from ..stats.seam import ...``),
+never through a private module; ``tests/infra/test_layers.py`` checks that. What it gets:
 
 - bucketing: ``Buckets``/``BucketKey`` (local shards grouped by device, dtype and layout) and
   ``layout_of`` (a grad's validated layout, cached per spec);
-- the one collective over grads in *segments* (one per base optimizer): ``reduce_segments``
-  (device only), ``reduce_segments_read`` (verdict and values read on the host at once),
-  ``reduce_segments_deferred`` (the host read postponed until the caller's gated work is
-  enqueued), each giving a ``SegmentStats``: the totals and every segment's norm from the same
-  row; ``segment_norm`` the norm over several segments; ``segment_stats_of`` the same from
-  DTensor grads (bucketing included); ``packed_values`` the host layout;
+- the one collective over grads in *segments* (one per base optimizer): ``reduce_grads``, its
+  ``read`` (``Read``) the verdict's place: ``"host"`` (verdict and values read at once),
+  ``"device"`` (nothing read) or ``"deferred"`` (the host read postponed until the caller's
+  gated work is enqueued); it gives a ``Reduced`` whose ``SegmentStats`` holds the totals and
+  every segment's norm from the same row; ``segment_norm`` the norm over several segments;
+  ``segment_stats_of`` the same from DTensor grads (bucketing included); ``packed_values`` the
+  host layout;
 - the grad-presence check: ``PRESENCE_PRIME`` (the sums' modulus) and ``GradPresenceError``;
 - the agreed values a caller carries in the row (``agreed=``, ``AGREED_WIDTH`` float64 values
   that must be equal on every rank) and ``AgreedValuesError`` when they differ;
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .._infra.caches import kept_alive
 from ._buckets import BucketKey, Buckets, bucket_local_shards, layout_of
 from ._clip import check_max_norm, clip_divisor, scale_by_clip_coef_
 from ._math import check_norm_type
@@ -35,13 +37,13 @@ from ._reduce import (
     GradPresenceError,
     GradStats,
     Parts,
+    Read,
+    Reduced,
     SegmentStats,
     packed_values,
-    reduce_segments,
-    reduce_segments_read,
+    reduce_grads,
     segment_norm,
 )
-from ._reduce import reduce_buckets_deferred as reduce_segments_deferred
 
 __all__ = [
     "AGREED_WIDTH",
@@ -52,6 +54,8 @@ __all__ = [
     "GradPresenceError",
     "GradStats",
     "Parts",
+    "Read",
+    "Reduced",
     "SegmentStats",
     "capture_keepalive",
     "check_max_norm",
@@ -59,9 +63,7 @@ __all__ = [
     "clip_divisor",
     "layout_of",
     "packed_values",
-    "reduce_segments",
-    "reduce_segments_deferred",
-    "reduce_segments_read",
+    "reduce_grads",
     "scale_by_clip_coef_",
     "segment_norm",
     "segment_stats_of",
@@ -83,21 +85,20 @@ def segment_stats_of(
         parts = [bucket_local_shards(g, group) for g in grads]
     except Exception as exc:  # any type: joins the collective, so no rank waits, then raises
         parts = exc
-    kw = dict(segments=len(grads), norm_type=norm_type, count_zeros=count_zeros, group=group)
-    if host_sync:
-        return reduce_segments_read(parts, **kw)[0]  # type: ignore[arg-type]
-    return reduce_segments(parts, **kw)  # type: ignore[arg-type]
+    reduced = reduce_grads(
+        parts,
+        segments=len(grads),
+        read="host" if host_sync else "device",
+        norm_type=norm_type,
+        count_zeros=count_zeros,
+        group=group,
+    )
+    return reduced.seg
 
 
 def capture_keepalive() -> list[object]:
     """The stats layer's cached device buffers that a captured CUDA graph reads (the fused
-    kernel's argument tables and workspaces, the verdict slots, the constant slots of the row):
-    a capture holds them so that no replay reads memory a cache dropped."""
-    from . import _fused, _reduce
-
-    return [
-        list(_fused._table_cache.values()),
-        list(_fused._workspaces.values()),
-        list(_reduce._SLOTS._cache.values()),
-        list(_reduce._CONSTANTS.values()),
-    ]
+    kernel's argument tables and workspaces, the verdict slots, the constant slots of the row,
+    each cache's values as a list): a capture holds them so that no replay reads memory a cache
+    dropped. Their owners give these caches to ``_infra.caches.keep_alive``."""
+    return list(kept_alive())
