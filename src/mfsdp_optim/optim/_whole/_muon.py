@@ -193,7 +193,10 @@ def muon_take_part(
 
 
 class _MuonStep:
-    """The phases of one ``muon_step`` (see there), on one rank."""
+    """The phases of one ``muon_step`` (see there), on one rank. A failure is kept in the
+    ``Attempt`` (the phases after it do not run) and the rank still takes part in both
+    exchanges; then host mode settles (``Attempt.settle``), device mode raises this rank's own
+    error only (``DeviceVerdict.raise_own``) and gates the writes."""
 
     def __init__(
         self,
