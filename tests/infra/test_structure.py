@@ -104,7 +104,7 @@ TOOLS_PRIVATE_ACCESS_DEBT: dict[tuple[str, str], int] = {
 # rule 3: folder below src/ -> modules in it
 FOLDER_DEBT: dict[str, int] = {
     "mfsdp_optim/checkpoint": 23,
-    "mfsdp_optim/optim": 22,
+    "mfsdp_optim/optim": 23,  # whole_seam.py (i48w) included: the optim Map rewrite names it
 }
 
 # rule 4: (file below src/mfsdp_optim, function's qualified name) -> lines of code (a ceiling)
@@ -114,7 +114,6 @@ LONG_FUNCTION_DEBT: dict[tuple[str, str], int] = {
     ("checkpoint/_save.py", "save_checkpoint"): 88,
     ("checkpoint/_staged.py", "load_checkpoint"): 110,
     ("optim/_fast_step.py", "FastAdamStep._step_group"): 100,
-    ("optim/_whole/_generic.py", "generic_step"): 202,
 }
 
 # rule 5: (file, the private module or name imported) -> occurrences
@@ -124,16 +123,11 @@ TOOLS_PRIVATE_IMPORT_DEBT: dict[tuple[str, str], int] = {
     ("benchmarks/bench_checkpoint.py", "mfsdp_optim._infra.comm"): 1,
     ("benchmarks/bench_checkpoint.py", "mfsdp_optim._infra.params.ParamRecord"): 1,
     ("benchmarks/bench_checkpoint.py", "mfsdp_optim.checkpoint._keyspace.describe_state"): 1,
-    ("benchmarks/bench_muon.py", "mfsdp_optim.optim._whole._pieces.piece_numel"): 1,
-    ("benchmarks/bench_muon.py", "mfsdp_optim.optim._whole.generic_traffic"): 1,
-    ("benchmarks/bench_muon.py", "mfsdp_optim.optim._whole.muon_splits"): 1,
-    ("benchmarks/bench_muon.py", "mfsdp_optim.optim._whole.plan_units"): 2,
     ("benchmarks/bench_replay.py", "mfsdp_optim._infra.device_table"): 1,
     ("benchmarks/bench_replay.py", "mfsdp_optim.optim._captured.CapturedStep"): 1,
     ("benchmarks/bench_replay.py", "mfsdp_optim.optim._graph.Inputs"): 1,
     ("benchmarks/bench_step.py", "mfsdp_optim._infra.device_table"): 1,
     ("benchmarks/bench_triton_adam.py", "mfsdp_optim.optim._triton_adam"): 2,
-    ("benchmarks/check_batched_ns.py", "mfsdp_optim.optim._whole._muon.batched_newton_schulz"): 1,
     ("scripts/conformance.py", "mfsdp_optim.optim._classify.LAYOUTS"): 2,
     ("scripts/conformance.py", "mfsdp_optim.optim._classify.load_class"): 3,
     ("scripts/conformance.py", "mfsdp_optim.optim._classify.references"): 1,
@@ -173,8 +167,7 @@ MAP_DEBT: set[str] = {
     "optim/_prepared.py",
     "optim/_surface.py",
     "optim/_whole/",
-    "optim/_whole/_checks.py",
-    "optim/_whole/_ns_probe.py",
+    "optim/whole_seam.py",  # i48w: named in optim's Map when i48o's rewrite of it lands
 }
 
 

@@ -232,8 +232,8 @@ def test_each_matrix_has_one_owner_over_all_replicas(ranks):
 @pytest.mark.parametrize("world", [8, 64])
 @pytest.mark.parametrize("replicas", [1, 2, 4])
 def test_the_plan_meets_the_issue_targets(world, replicas):
-    from mfsdp_optim.optim._whole import muon_splits, plan_units
     from mfsdp_optim.optim._whole._pieces import piece_numel
+    from mfsdp_optim.optim._whole._plan import muon_splits, plan_units
 
     metas = llama_hsdp_metas(world, replicas)
     units = plan_units([metas] * world, "muon")

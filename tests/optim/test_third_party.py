@@ -182,7 +182,7 @@ def _rank_traffic(target):
 
     from mfsdp_optim.optim import FullyShardedOptimizer
     from mfsdp_optim.optim._classify import _layout_mesh, load_class
-    from mfsdp_optim.optim._whole import TRAFFIC
+    from mfsdp_optim.optim._whole._exchange import TRAFFIC
 
     mesh = _layout_mesh("1d-uneven-empty")
     # two shapes: a whole-param class over same-shape params needs model_chunks (named by FQN)

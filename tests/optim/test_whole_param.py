@@ -24,13 +24,8 @@ from _ranks import get_pool  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from mfsdp_optim.optim._whole import (  # noqa: E402
-    ParamMeta,
-    muon_splits,
-    piece_of,
-    plan_units,
-)
-from mfsdp_optim.optim._whole._pieces import piece_numel  # noqa: E402
+from mfsdp_optim.optim._whole._pieces import piece_numel, piece_of  # noqa: E402
+from mfsdp_optim.optim._whole._plan import ParamMeta, muon_splits, plan_units  # noqa: E402
 
 S, R = PlacementSpec("S", 0), PlacementSpec("R")
 
@@ -110,8 +105,10 @@ def _rank_train(specs, opt_name, steps=3, break_it=False):
     import torch.distributed as dist
     from _layouts import build_grad, global_tensor
 
-    from mfsdp_optim.optim._whole import TRAFFIC, muon_splits, step_whole_params
+    from mfsdp_optim.optim._whole import step_whole_params
+    from mfsdp_optim.optim._whole._exchange import TRAFFIC
     from mfsdp_optim.optim._whole._pieces import describe, extract
+    from mfsdp_optim.optim._whole._plan import muon_splits
 
     cls, kw = OPTIMIZERS[opt_name]
     rank = dist.get_rank()

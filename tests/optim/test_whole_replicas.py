@@ -39,12 +39,8 @@ from test_whole_param import (  # noqa: E402
     _spec,
 )
 
-from mfsdp_optim.optim._whole import (  # noqa: E402
-    generic_splits,
-    generic_traffic,
-    plan_units,
-)
 from mfsdp_optim.optim._whole._pieces import piece_numel  # noqa: E402
+from mfsdp_optim.optim._whole._plan import generic_splits, generic_traffic, plan_units  # noqa: E402
 
 FULL = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
 S0, S1, R = PlacementSpec("S", 0), PlacementSpec("S", 1), PlacementSpec("R")

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ..._infra.agreement import Wording, agree
+from ..._infra.agreement import Wording
 from ..._infra.comm import all_to_all_objects, collective_device, uploaded
 from ._plan import STATUS_BYTES
 from ._verdict import DeviceVerdict
@@ -38,7 +38,6 @@ __all__ = [
     "exchange_records",
     "exchange_records_hosted",
     "part_bytes",
-    "settle",
     "view_as",
 ]
 
@@ -269,7 +268,8 @@ def exchange_records(
     ``records[r][1]``: a sizes all-to-all (one int64 per peer), then ``exchange``. Returns each
     peer's (header, payload bytes) and status, and the error that packing this rank's records
     raised (a header that does not pickle, say): this rank then still takes part, sending empty
-    payloads and a failed status, and the caller raises after its last exchange (``settle``).
+    payloads and a failed status, and the caller raises after its last exchange
+    (``Attempt.settle``).
     Only for data of this job's own ranks (pickle)."""
     rank = dist.get_rank(group)
     device = collective_device(group)
@@ -383,19 +383,3 @@ def view_as(raw: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
     if raw.storage_offset() % size:
         raw = raw.clone()
     return raw.view(dtype).view(shape)
-
-
-def settle(
-    error: BaseException | None, statuses: Sequence[int], group: dist.ProcessGroup | None
-) -> None:
-    """After a step's last exchange, before anything is written: when this rank failed
-    (``error``) or any status word it received is non-zero, every rank gets here alike and
-    issues ONE object gather of every rank's failure (``agreement.agree``); the failing ranks
-    raise their own error, the others ``RankFailedError`` naming them. Otherwise nothing."""
-    if error is None and not any(statuses):
-        return
-    verdict = agree(error, group, always=True)
-    verdict.raise_own_or_peer(error, WORDING)
-    raise RuntimeError(  # a status word without a failure behind it: a bug, never a result
-        f"{WORDING.what}: a rank signalled a failure but reported none; nothing was updated"
-    )

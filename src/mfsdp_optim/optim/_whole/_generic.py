@@ -33,11 +33,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from ..._infra.attempt import Attempt
 from ..._infra.comm import collective_device
 from ..._infra.placement import SCALAR_STATE_KEYS, in_layout_of
 from ._checks import partial_grad_message
-from ._exchange import exchange_records, exchange_records_hosted, settle, view_as
-from ._pieces import extract, insert, piece_numel, piece_shape
+from ._exchange import WORDING, exchange_records, exchange_records_hosted, view_as
+from ._pieces import Piece, extract, insert, piece_numel, piece_shape
 from ._plan import WholeParamPlan
 
 __all__ = ["generic_step"]
@@ -110,34 +111,94 @@ def generic_step(
     The owner steps full copies (param, grad, every state entry), so nothing the class changes
     is live until every rank knows every rank succeeded; an exception anywhere (the class's own
     ``step()`` included) is the rank's status in the next exchange, and after the last one every
-    rank raises alike (``settle``) with no param, state entry or group value changed.
+    rank raises alike (``Attempt.settle``) with no param, state entry or group value changed.
     ``host``: the host-side group of ``group``'s ranks (see the module docstring), or None."""
-    units, rank, world = plan.units, plan.rank, plan.world
-    wire = collective_device(group).type  # where the tensors' bytes travel
+    _GenericStep(optimizer, params, group_index, plan, group, host).run()
 
-    def send(direction, records, status):
-        if host is None:
-            return exchange_records(direction, records, status, group)
-        return exchange_records_hosted(direction, records, status, group, host)
 
-    error: BaseException | None = None
-    mine = dict(zip(plan.local_units, range(len(params)), strict=True))  # unit -> param index
-    present = {u: params[i].grad is not None for u, i in mine.items()}
-    # members -> owner: (unit, present, [(key, dtype)]) headers, then the pieces' bytes
-    records: list[tuple[list, list[torch.Tensor]]] = [([], []) for _ in range(world)]
-    try:
+def _nothing(world: int) -> list[tuple[list, list[torch.Tensor]]]:
+    """Every peer's record of a rank that sends nothing: an empty header, no tensor."""
+    return [([], []) for _ in range(world)]
+
+
+class _GenericStep:
+    """The phases of one ``generic_step`` (see there), on one rank. Each phase runs only while
+    no rank is known to have failed (``Attempt.run``); both exchanges run on every rank."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: Sequence[DTensor],
+        group_index: Sequence[int],
+        plan: WholeParamPlan,
+        group: dist.ProcessGroup | None,
+        host: dist.ProcessGroup | None,
+    ):
+        self.opt, self.params, self.group_index, self.plan = optimizer, params, group_index, plan
+        self.group, self.host = group, host
+        self.units, self.rank, self.world = plan.units, plan.rank, plan.world
+        self.wire = collective_device(group).type  # where the tensors' bytes travel
+        self.attempt = Attempt()
+        self.mine = dict(zip(plan.local_units, range(len(params)), strict=True))  # unit -> i
+        self.present = {u: params[i].grad is not None for u, i in self.mine.items()}
+        # each group's values before the class's step: put back where the step is refused
+        self.before = [
+            {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
+        ]
+
+    def run(self) -> None:
+        attempt, world = self.attempt, self.world
+        records = attempt.run(self.pack_inward, default=_nothing(world))
+        got = self.send("generic_in", records)
+        pieces_in, member_present = attempt.run(self.read_pieces, got, default=({}, {}))
+        fulls, view = attempt.run(self.assemble, pieces_in, member_present, default=({}, {}))
+        stepped, level, removed = attempt.run(self.step_owned, fulls, view, default=({}, {}, []))
+        out, results = attempt.run(self.pack_outward, fulls, stepped, default=(_nothing(world), {}))
+        back = self.send("generic_out", out)
+        if not attempt.ok:
+            self.restore_group_values()  # what the class's step set there
+        attempt.settle(self.host if self.host is not None else self.group, WORDING)
+        # every rank succeeded: read the results, then write the params and their state
+        results.update(self.read_results(back))
+        self.write(results, level, removed)
+
+    def send(
+        self, direction: str, records: list[tuple[list, list[torch.Tensor]]]
+    ) -> list[tuple[object, torch.Tensor]]:
+        """One exchange of records (a sizes all-to-all + one), this rank's status word in it;
+        the peers' status words and a packing error (a header that does not pickle) go into
+        the attempt."""
+        status = self.attempt.status
+        if self.host is None:
+            got, statuses, packing = exchange_records(direction, records, status, self.group)
+        else:
+            got, statuses, packing = exchange_records_hosted(
+                direction, records, status, self.group, self.host
+            )
+        if packing is not None:
+            self.attempt.fail(packing)
+        self.attempt.heard(statuses)
+        return got
+
+    # ------------------------------------------------------------------------ members -> owner
+
+    def pack_inward(self) -> list[tuple[list, list[torch.Tensor]]]:
+        """Each owner's record from this rank: a ``(unit, present, [(key, dtype)])`` header per
+        unit it owns, then the pieces' bytes (a receiver sends its presence only)."""
+        optimizer, units, rank = self.opt, self.units, self.rank
         if not isinstance(optimizer.state, MutableMapping):
             raise TypeError(
                 f"{type(optimizer).__name__}.state is a {type(optimizer.state).__name__}, not a "
                 "mutable mapping: the whole-param step cannot show it the full params' state"
             )
-        for u, i in mine.items():
+        records = _nothing(self.world)
+        for u, i in self.mine.items():
             owner = units[u].owner
             if owner == rank:
                 continue
-            p = params[i]
+            p = self.params[i]
             entries = []
-            if present[u]:
+            if self.present[u]:
                 # members and receivers alike read their state now, before any byte moves (the
                 # results are written into it after the last exchange, where nothing may fail)
                 sharded = [
@@ -148,34 +209,32 @@ def generic_step(
                 for k, t in sharded:
                     if t.shape != p._local_tensor.shape:
                         raise ValueError(
-                            f"param {plan.metas[i].name!r}: its state entry {k!r} has the local "
-                            f"shard {tuple(t.shape)}, the param {tuple(p._local_tensor.shape)}: "
-                            "the state does not belong to this layout (load it again, or reset "
-                            "the state); nothing was updated on any rank"
+                            f"param {self.plan.metas[i].name!r}: its state entry {k!r} has the "
+                            f"local shard {tuple(t.shape)}, the param "
+                            f"{tuple(p._local_tensor.shape)}: the state does not belong to this "
+                            "layout (load it again, or reset the state); nothing was updated on "
+                            "any rank"
                         )
                 if rank in units[u].members:  # a receiver sends its presence only
                     entries = [(PARAM, p._local_tensor), (GRAD, _grad_local(p)), *sharded]
-            records[owner][0].append((u, present[u], [(k, str(t.dtype)) for k, t in entries]))
+            records[owner][0].append((u, self.present[u], [(k, str(t.dtype)) for k, t in entries]))
             records[owner][1].extend(t for _, t in entries)
-    except Exception as exc:  # still takes part in both exchanges, then raises (settle)
-        error = exc
-        records = [([], []) for _ in range(world)]
-    got, statuses, packing = send(
-        "generic_in", [(h, t) for h, t in records], int(error is not None)
-    )
-    error = error or packing
-    ok = error is None and not any(statuses)
-    # owners: every member's and receiver's presence, then full tensors of the units they own
-    pieces_in: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-    member_present: dict[tuple[int, int], bool] = {}  # (unit, member or receiver) -> grad
-    try:
+        return records
+
+    def read_pieces(
+        self, got: list[tuple[object, torch.Tensor]]
+    ) -> tuple[dict[tuple[int, int], dict[str, torch.Tensor]], dict[tuple[int, int], bool]]:
+        """The owner's view of what it received: each ``(unit, member)``'s pieces by key, and
+        each ``(unit, member or receiver)``'s grad presence."""
+        pieces_in: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        member_present: dict[tuple[int, int], bool] = {}
         for r, (header, raw) in enumerate(got):
-            if r == rank or header is None or not ok:
+            if r == self.rank or header is None:
                 continue
             offset = 0
             for u, here, sent_keys in header:  # type: ignore[attr-defined]
                 member_present[(u, r)] = here
-                piece = units[u].piece_for(r)
+                piece = self.units[u].piece_for(r)
                 n = piece_numel(piece)
                 entry = {}
                 for k, dt in sent_keys:
@@ -184,14 +243,22 @@ def generic_step(
                     entry[k] = view_as(raw[offset : offset + size], dtype, piece_shape(piece))
                     offset += size
                 pieces_in[(u, r)] = entry
-    except Exception as exc:
-        error, ok = exc, False
-    fulls: dict[int, torch.Tensor] = {}
-    view: defaultdict[torch.Tensor, dict] = defaultdict(dict)
-    try:
-        for u, i in mine.items():
-            unit = units[u]
-            if unit.owner != rank or not ok:
+        return pieces_in, member_present
+
+    def assemble(
+        self,
+        pieces_in: dict[tuple[int, int], dict[str, torch.Tensor]],
+        member_present: dict[tuple[int, int], bool],
+    ) -> tuple[dict[int, torch.Tensor], dict[torch.Tensor, dict]]:
+        """The full param (its full grad attached) of every unit this rank owns with a grad,
+        after checking that its holders agree on the grad's presence, and the full params'
+        state: full tensors for the param-shaped entries, copies of the others."""
+        rank, present = self.rank, self.present
+        fulls: dict[int, torch.Tensor] = {}
+        view: defaultdict[torch.Tensor, dict] = defaultdict(dict)
+        for u, i in self.mine.items():
+            unit = self.units[u]
+            if unit.owner != rank:
                 continue
             holders = unit.holders
             here = [present[u] if m == rank else member_present[(u, m)] for m in holders]
@@ -201,9 +268,9 @@ def generic_step(
                 raise ValueError(partial_grad_message(unit.meta.name, have, lack))
             if not present[u]:
                 continue
-            p = params[i]
+            p = self.params[i]
             device = p._local_tensor.device
-            state = optimizer.state.get(p, {})
+            state = self.opt.state.get(p, {})
             own = {PARAM: p._local_tensor, GRAD: _grad_local(p)}
             own.update({k: _local(v) for k, v in state.items() if _sharded_like(k, v, p)})
             full = {k: torch.empty(p.shape, dtype=t.dtype, device=device) for k, t in own.items()}
@@ -215,97 +282,120 @@ def generic_step(
             full_param.grad = full.pop(GRAD)
             fulls[u] = full_param
             view[full_param] = {k: full.get(k, _snapshot(v)) for k, v in state.items()}
-    except Exception as exc:
-        error, ok = exc, False
-    # every rank steps once; owners see their full params, the others empty lists
-    groups = optimizer.param_groups
-    saved = [list(g["params"]) for g in groups]
-    values = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-    shown: list[list[torch.Tensor]] = [[] for _ in groups]
-    for u, full_param in fulls.items():
-        shown[group_index[mine[u]]].append(full_param)
-    stepped: dict[torch.Tensor, dict] = {}
-    level: dict = {}
-    removed: list = []
-    if ok:
-        try:
-            stepped, level, removed = _step_on(optimizer, view, shown, saved, params)
-        except Exception as exc:  # the class's own step: reported like any other failure
-            error, ok = exc, False
-    # owner -> members and receivers: the param's piece, param-shaped pieces, full other entries
-    out: list[tuple[list, list[torch.Tensor]]] = [([], []) for _ in range(world)]
-    results: dict[int, tuple[list, list]] = {}
-    try:
-        for u, full_param in fulls.items() if ok else ():
-            unit = units[u]
-            new_state = stepped.get(full_param, {})
-            gi = group_index[mine[u]]
+        return fulls, view
+
+    def step_owned(
+        self, fulls: dict[int, torch.Tensor], view: dict[torch.Tensor, dict]
+    ) -> tuple[dict[torch.Tensor, dict], dict, list]:
+        """The class's own ``step()``, once on every rank: owners see their full params, the
+        others empty lists (``_step_on``)."""
+        groups = self.opt.param_groups
+        saved = [list(g["params"]) for g in groups]
+        shown: list[list[torch.Tensor]] = [[] for _ in groups]
+        for u, full_param in fulls.items():
+            shown[self.group_index[self.mine[u]]].append(full_param)
+        return _step_on(self.opt, view, shown, saved, self.params)
+
+    # ------------------------------------------------------------------------ owner -> members
+
+    def pack_outward(
+        self, fulls: dict[int, torch.Tensor], stepped: dict[torch.Tensor, dict]
+    ) -> tuple[list[tuple[list, list[torch.Tensor]]], dict[int, tuple[list, list]]]:
+        """Each member's and receiver's record from this owner: per unit, the group's values,
+        its piece of the new param and of each param-shaped entry, every other entry whole;
+        and this owner's own results (``(keys, tensors)`` per unit)."""
+        rank, groups = self.rank, self.opt.param_groups
+        out = _nothing(self.world)
+        results: dict[int, tuple[list, list]] = {}
+        for u, full_param in fulls.items():
+            gi = self.group_index[self.mine[u]]
             settings = {k: v for k, v in groups[gi].items() if k != "params"}
-            for member, piece in unit.holder_pieces():
-                keys: list[tuple] = [
-                    (GROUP, "g", None, None, settings),
-                    (PARAM, "p", str(full_param.dtype), None, None),
-                ]
-                tensors: list[torch.Tensor | None] = [None, extract(full_param, piece)]
-                for k, v in new_state.items():
-                    if _param_shaped(k, v, tuple(full_param.shape)):
-                        keys.append((k, "p", str(v.dtype), None, None))
-                        tensors.append(extract(v, piece))
-                    elif (
-                        host is not None
-                        and isinstance(v, torch.Tensor)
-                        and (v.device.type != wire and v.device.type == "cpu")
-                    ):  # a host value (a CPU step counter): in the header, never on the device
-                        keys.append((k, "h", None, None, v))
-                        tensors.append(None)
-                    elif isinstance(v, torch.Tensor) and str(v.dtype) in _DTYPES:
-                        keys.append((k, "r", str(v.dtype), tuple(v.shape), v.device.type))
-                        tensors.append(v)
-                    else:
-                        keys.append((k, "v", None, None, v))
-                        tensors.append(None)
+            new_state = stepped.get(full_param, {})
+            for member, piece in self.units[u].holder_pieces():
+                keys, tensors = self._result_of(full_param, new_state, settings, piece)
                 if member == rank:
                     results[u] = (keys, tensors)
                 else:
                     out[member][0].append((u, keys))
                     out[member][1].extend(t for t in tensors if t is not None)
-    except Exception as exc:
-        error, ok = exc, False
-    if not ok:
-        out = [([], []) for _ in range(world)]
-    back, statuses_out, packing = send("generic_out", out, int(error is not None))
-    error = error or packing  # e.g. a group or state value that does not pickle
-    if error is not None or any(statuses_out) or any(statuses):
-        for g, before in zip(groups, values, strict=True):  # what the class's step set there
+        return out, results
+
+    def _result_of(
+        self, full_param: torch.Tensor, new_state: dict, settings: dict, piece: Piece
+    ) -> tuple[list[tuple], list[torch.Tensor | None]]:
+        """One holder's result for one unit: the keys (key, kind, dtype, shape, value) and the
+        tensors (None where the value travels in the header). Kinds: ``"g"`` the group's
+        values, ``"p"`` a piece of a param-shaped tensor, ``"h"`` a host value (a CPU step
+        counter) in the header, ``"r"`` a tensor sent whole, ``"v"`` any other value."""
+        keys: list[tuple] = [
+            (GROUP, "g", None, None, settings),
+            (PARAM, "p", str(full_param.dtype), None, None),
+        ]
+        tensors: list[torch.Tensor | None] = [None, extract(full_param, piece)]
+        for k, v in new_state.items():
+            if _param_shaped(k, v, tuple(full_param.shape)):
+                keys.append((k, "p", str(v.dtype), None, None))
+                tensors.append(extract(v, piece))
+            elif (
+                self.host is not None
+                and isinstance(v, torch.Tensor)
+                and (v.device.type != self.wire and v.device.type == "cpu")
+            ):  # a host value (a CPU step counter): in the header, never on the device
+                keys.append((k, "h", None, None, v))
+                tensors.append(None)
+            elif isinstance(v, torch.Tensor) and str(v.dtype) in _DTYPES:
+                keys.append((k, "r", str(v.dtype), tuple(v.shape), v.device.type))
+                tensors.append(v)
+            else:
+                keys.append((k, "v", None, None, v))
+                tensors.append(None)
+        return keys, tensors
+
+    def restore_group_values(self) -> None:
+        """Each group's values as before the class's step (a refused step changes none)."""
+        for g, before in zip(self.opt.param_groups, self.before, strict=True):
             for k in [k for k in g if k != "params" and k not in before]:
                 del g[k]
             g.update(before)
-    settle(error, [*statuses, *statuses_out], host if host is not None else group)
-    # every rank succeeded: read the results, then write the params and their state
-    for r, (header, raw) in enumerate(back):
-        if r == rank or header is None:
-            continue
-        offset = 0
-        for u, got_keys in header:  # type: ignore[attr-defined]
-            piece = units[u].piece_for(rank)
-            tensors = []
-            for _, kind, dt, shape, _ in got_keys:
-                if kind in ("v", "g", "h"):
-                    tensors.append(None)
-                    continue
-                dtype = _dtype(dt)
-                shp = piece_shape(piece) if kind == "p" else shape
-                size = int(torch.Size(shp).numel()) * torch.empty((), dtype=dtype).element_size()
-                tensors.append(view_as(raw[offset : offset + size], dtype, shp))
-                offset += size
-            results[u] = (got_keys, tensors)
-    state = optimizer.state
-    for k in removed:  # optimizer-level entries the step removed
-        del state[k]
-    state.update(level)
-    for u, (keys, tensors) in results.items():
-        _apply(optimizer, params[mine[u]], keys, tensors)
-        _apply_settings(groups[group_index[mine[u]]], keys[0][4])
+
+    # ---------------------------------------------------- after the exchanges: every rank is ok
+
+    def read_results(self, back: list[tuple[object, torch.Tensor]]) -> dict[int, tuple]:
+        """Each unit's ``(keys, tensors)`` from the records its owner sent this rank."""
+        results: dict[int, tuple] = {}
+        for r, (header, raw) in enumerate(back):
+            if r == self.rank or header is None:
+                continue
+            offset = 0
+            for u, got_keys in header:  # type: ignore[attr-defined]
+                piece = self.units[u].piece_for(self.rank)
+                tensors: list[torch.Tensor | None] = []
+                for _, kind, dt, shape, _ in got_keys:
+                    if kind in ("v", "g", "h"):
+                        tensors.append(None)
+                        continue
+                    dtype = _dtype(dt)
+                    shp = piece_shape(piece) if kind == "p" else shape
+                    size = (
+                        int(torch.Size(shp).numel()) * torch.empty((), dtype=dtype).element_size()
+                    )
+                    tensors.append(view_as(raw[offset : offset + size], dtype, shp))
+                    offset += size
+                results[u] = (got_keys, tensors)
+        return results
+
+    def write(self, results: dict[int, tuple], level: dict, removed: list) -> None:
+        """The optimizer-level entries the step changed, then each unit's param, state and
+        group values."""
+        state = self.opt.state
+        for k in removed:  # optimizer-level entries the step removed
+            del state[k]
+        state.update(level)
+        groups = self.opt.param_groups
+        for u, (keys, tensors) in results.items():
+            i = self.mine[u]
+            _apply(self.opt, self.params[i], keys, tensors)
+            _apply_settings(groups[self.group_index[i]], keys[0][4])
 
 
 def _step_on(

@@ -22,10 +22,11 @@ from torch.distributed.tensor import DTensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from torch.optim.optimizer import _to_scalar
 
+from ..._infra.attempt import Attempt
 from ..._infra.comm import collective_device, uploaded
 from ..._infra.placement import in_layout_of
 from ._checks import partial_grad_message
-from ._exchange import Outbox, Part, exchange, exchange_on_device, settle, view_as
+from ._exchange import WORDING, Outbox, Part, exchange, exchange_on_device, view_as
 from ._ns_probe import batched_is_exact
 from ._pieces import Piece, extract, insert, piece_numel, piece_shape
 from ._plan import NS_BYTES, STATUS_BYTES, Unit, WholeParamPlan, flag_bytes, muon_splits
@@ -149,9 +150,9 @@ def muon_step(
     """One Muon step of ``params`` (``groups[i]`` is params[i]'s param group), after the step's
     agreement. Nothing is written before every rank knows that every rank succeeded: the new
     momentum is computed into a new buffer, and after the last exchange it and the params are
-    written, or every rank raises (``settle``) with nothing changed on any rank. ``batched``
-    (True, None: where shown exact, False): an owner runs Newton-Schulz once per (shape,
-    hyperparameters) over all its matrices of that shape (``newton_schulz_all``).
+    written, or every rank raises (``Attempt.settle``) with nothing changed on any rank.
+    ``batched`` (True, None: where shown exact, False): an owner runs Newton-Schulz once per
+    (shape, hyperparameters) over all its matrices of that shape (``newton_schulz_all``).
 
     Every rank that holds a unit and is not its owner (a member of the owner's shard group, or
     a receiver in another replica) sends the owner its flags (one byte per unit, padded); members
@@ -192,7 +193,10 @@ def muon_take_part(
 
 
 class _MuonStep:
-    """The phases of one ``muon_step`` (see there), on one rank."""
+    """The phases of one ``muon_step`` (see there), on one rank. A failure is kept in the
+    ``Attempt`` (the phases after it do not run) and the rank still takes part in both
+    exchanges; then host mode settles (``Attempt.settle``), device mode raises this rank's own
+    error only (``DeviceVerdict.raise_own``) and gates the writes."""
 
     def __init__(
         self,
@@ -207,7 +211,8 @@ class _MuonStep:
         self.plan, self.group, self.verdict = plan, group, verdict
         self.units, self.rank, self.world = plan.units, plan.rank, plan.world
         self.device = collective_device(group)
-        self.error: BaseException | None = verdict.error if verdict is not None else None
+        # this rank's failure (one it came with under ``verdict`` too) and what it heard
+        self.attempt = Attempt(verdict.error if verdict is not None else None)
         self.mine = dict(zip(plan.local_units, range(len(params)), strict=True))  # unit -> i
         self.flags = dict.fromkeys(self.mine, 0)  # what this rank tells the owners
         self.present = [False] * len(self.units)
@@ -220,22 +225,21 @@ class _MuonStep:
         self.results: dict[int, torch.Tensor] = {}  # unit -> this rank's piece of the result
         self.after_alias: dict[int, torch.Tensor] = {}  # unit -> its piece, normalised
 
-    def fail(self, exc: BaseException) -> None:
-        if self.error is None:
-            self.error = exc
-
     def run(self, batched: bool | None) -> None:
+        attempt = self.attempt
         self.read_flags()
         inward = _inward(self.plan)
         box = Outbox(inward.send, self.rank, self.device)
         self.fill_inward(box, inward)
         received, statuses = self.send_inward(box, inward)
+        attempt.heard(statuses)
         offsets = self.take_peer_flags(received, inward)
-        ok = self.assemble(received, offsets, self.error is None and not any(statuses))
+        ok = self.assemble(received, offsets)
         orthogonal = self.orthogonalise(ok, batched)
         back, statuses_out = self.send_outward(ok, orthogonal)
+        attempt.heard(statuses_out)
         if self.verdict is None:
-            settle(self.error, [*statuses, *statuses_out], self.group)
+            attempt.settle(self.group, WORDING)
         else:
             self.verdict.raise_own()
         # every rank succeeded (or, on the device, the writes are gated): results, then writes
@@ -245,75 +249,78 @@ class _MuonStep:
     # --------------------------------------------------------------------- before the exchange
 
     def read_flags(self) -> None:
-        if self.error is None:
-            try:
-                for u, i in self.mine.items():
-                    self.flags[u] = _flags(self.opt, self.params[i], self.groups[i])
-            except Exception as exc:  # its flags stay 0 (absent): the sizes still agree
-                self.fail(exc)
+        """This rank's flags for its units (where reading them fails, the units not yet read
+        keep 0, absent: the sizes still agree), then, under ``verdict``, the check that each
+        aliased buffer has the slot the plan's sizes give it."""
+        self.attempt.run(self._own_flags)
         for u, f in self.flags.items():
             self.present[u], self.alias[u] = bool(f & 1), bool(f & 2)
-        slots = self.slot_alias
-        if slots is not None and self.error is None:
-            for u in self.mine:
-                if self.alias[u] and not slots[u]:
-                    meta = self.units[u].meta
-                    self.fail(
-                        ValueError(
-                            f"param {meta.name!r}: its momentum_buffer is bfloat16 and nesterov "
-                            "is off, so torch's Muon normalises the buffer in place, but the "
-                            f"param is {meta.dtype}: under OptimizerConfig(host_sync=False) the "
-                            "exchange sizes follow the param's dtype. Keep the buffer in the "
-                            "param's dtype (as torch creates it), or pass host_sync=True; "
-                            "nothing was updated on any rank"
-                        )
-                    )
-                    break
+        if self.slot_alias is not None:
+            self.attempt.run(self._check_alias_slots, self.slot_alias)
+
+    def _own_flags(self) -> None:
+        for u, i in self.mine.items():
+            self.flags[u] = _flags(self.opt, self.params[i], self.groups[i])
+
+    def _check_alias_slots(self, slots: list[bool]) -> None:
+        for u in self.mine:
+            if self.alias[u] and not slots[u]:
+                meta = self.units[u].meta
+                raise ValueError(
+                    f"param {meta.name!r}: its momentum_buffer is bfloat16 and nesterov "
+                    "is off, so torch's Muon normalises the buffer in place, but the "
+                    f"param is {meta.dtype}: under OptimizerConfig(host_sync=False) the "
+                    "exchange sizes follow the param's dtype. Keep the buffer in the "
+                    "param's dtype (as torch creates it), or pass host_sync=True; "
+                    "nothing was updated on any rank"
+                )
 
     def fill_inward(self, box: Outbox, inward: _Inward) -> None:
         """The new momentum of every local unit with a grad, and each member's piece of the
         Newton-Schulz input, cast into the send buffer (an owner's into its whole matrix)."""
         units, rank = self.units, self.rank
-        try:
-            for u, i in self.mine.items():
-                if not self.present[u] or self.error is not None:
-                    continue
-                p, g = self.params[i], self.groups[i]
-                grad = p.grad._local_tensor  # type: ignore[union-attr]
-                old = self.opt.state.get(p, {}).get("momentum_buffer")
-                momentum = g["momentum"]
-                if old is None:
-                    buf = torch.zeros_like(grad).lerp_(grad, 1 - momentum)
-                else:
-                    local_old = old._local_tensor if isinstance(old, DTensor) else old
-                    if local_old.shape != grad.shape:
-                        raise ValueError(
-                            f"param {self.plan.metas[i].name!r}: its momentum_buffer's local "
-                            f"shard is {tuple(local_old.shape)}, its grad's {tuple(grad.shape)}: "
-                            "the state does not belong to this layout (load it again, or reset "
-                            "the state)"
-                        )
-                    buf = local_old.lerp(grad, 1 - momentum)
-                self.new_bufs[u] = buf
-                update = grad.lerp(buf, momentum) if g["nesterov"] else buf  # buf where alias
-                unit = units[u]
-                if unit.owner == rank:
-                    self.fulls[u] = _own_input(unit, rank, update)
-                elif u in inward.slot:  # a member: its piece, cast as torch casts, into place
-                    owner, offset = inward.slot[u]
-                    box.put(owner, offset, (update, BF16))
-                lr = _to_scalar(g["lr"])
-                self.scale[u] = (
-                    1 - lr * g["weight_decay"],
-                    _adjust_lr(lr, g["adjust_lr_fn"], p.shape),
-                )
-        except Exception as exc:  # still takes part in both exchanges, then raises
-            self.fail(exc)
+        self.attempt.run(self._new_momentum, box, inward)
         for u, (owner, offset) in inward.slot.items():
-            if not self.present[u] and self.error is None:  # no grad here: zeros of the size
+            if not self.present[u] and self.attempt.error is None:  # no grad here: zeros
                 box.zero(owner, offset, piece_numel(units[u].piece_for(rank)) * NS_BYTES)
-        if self.error is not None:  # the payload is filler: every rank refuses the step
+        if self.attempt.error is not None:  # the payload is filler: every rank refuses the step
             box.buf.zero_()
+
+    def _new_momentum(self, box: Outbox, inward: _Inward) -> None:
+        """``fill_inward``'s phase: the new momentum, the scale, the Newton-Schulz input."""
+        units, rank = self.units, self.rank
+        for u, i in self.mine.items():
+            if not self.present[u]:
+                continue
+            p, g = self.params[i], self.groups[i]
+            grad = p.grad._local_tensor  # type: ignore[union-attr]
+            old = self.opt.state.get(p, {}).get("momentum_buffer")
+            momentum = g["momentum"]
+            if old is None:
+                buf = torch.zeros_like(grad).lerp_(grad, 1 - momentum)
+            else:
+                local_old = old._local_tensor if isinstance(old, DTensor) else old
+                if local_old.shape != grad.shape:
+                    raise ValueError(
+                        f"param {self.plan.metas[i].name!r}: its momentum_buffer's local "
+                        f"shard is {tuple(local_old.shape)}, its grad's {tuple(grad.shape)}: "
+                        "the state does not belong to this layout (load it again, or reset "
+                        "the state)"
+                    )
+                buf = local_old.lerp(grad, 1 - momentum)
+            self.new_bufs[u] = buf
+            update = grad.lerp(buf, momentum) if g["nesterov"] else buf  # buf where alias
+            unit = units[u]
+            if unit.owner == rank:
+                self.fulls[u] = _own_input(unit, rank, update)
+            elif u in inward.slot:  # a member: its piece, cast as torch casts, into place
+                owner, offset = inward.slot[u]
+                box.put(owner, offset, (update, BF16))
+            lr = _to_scalar(g["lr"])
+            self.scale[u] = (
+                1 - lr * g["weight_decay"],
+                _adjust_lr(lr, g["adjust_lr_fn"], p.shape),
+            )
 
     def send_inward(self, box: Outbox, inward: _Inward) -> tuple[list[torch.Tensor], list[int]]:
         if self.verdict is None:
@@ -323,9 +330,10 @@ class _MuonStep:
                     head = torch.zeros(flag_bytes(len(us)), dtype=U8)
                     head[: len(us)] = torch.tensor([self.flags[u] for u in us], dtype=U8)
                     heads[owner] = head
-            return box.send("muon_in", inward.recv, int(bool(self.error)), self.group, heads)
-        if self.error is not None:
-            self.verdict.fail(self.error)
+            return box.send("muon_in", inward.recv, self.attempt.status, self.group, heads)
+        own = self.attempt.exception
+        if own is not None:
+            self.verdict.fail(own)
         heads_on_device = self._heads_on_device(box, inward)
         parts = box.send_on_device(
             "muon_in", inward.recv, self.verdict, self.group, self.plan.slot, heads_on_device
@@ -396,45 +404,49 @@ class _MuonStep:
             return self.flags[u]
         return self.peer_flags[(u, holder)]
 
-    def assemble(self, received: list[torch.Tensor], offsets: list[int], ok: bool) -> bool:
+    def assemble(self, received: list[torch.Tensor], offsets: list[int]) -> bool:
         """The whole Newton-Schulz input of every owned unit with a grad (host mode: after
-        checking that its holders agree on the grad's presence and the alias)."""
-        rank = self.rank
+        checking that its holders agree on the grad's presence and the alias). Returns whether
+        no rank is known to have failed so far; a failure here is reported in the second
+        exchange's status word."""
+        rank, attempt = self.rank, self.attempt
         for u, unit in enumerate(self.units):
             if unit.owner != rank:
                 continue
             holders = unit.holders
             if self.verdict is None:
                 unit_flags = [self._holder_flags(u, m) for m in holders]
-                if ok and len(set(unit_flags)) > 1:
-                    self.fail(ValueError(_mismatch(unit.meta.name, holders, unit_flags)))
-                    ok = False
-            if ok and self.present[u]:
-                try:
-                    full = self.fulls[u]
-                    for member, piece in zip(unit.members, unit.pieces, strict=True):
-                        if member != rank:
-                            n = piece_numel(piece) * NS_BYTES
-                            raw = received[member][offsets[member] : offsets[member] + n]
-                            data = view_as(raw, BF16, piece_shape(piece)).to(full.device)
-                            insert(full, piece, data)
-                except Exception as exc:  # reported in the second exchange's status word
-                    self.fail(exc)
-                    ok = False
+                if attempt.ok and len(set(unit_flags)) > 1:
+                    attempt.fail(ValueError(_mismatch(unit.meta.name, holders, unit_flags)))
+            if self.present[u]:
+                attempt.run(self._insert_pieces, u, unit, received, offsets)
             for member, piece in zip(unit.members, unit.pieces, strict=True):
                 if member != rank:
                     offsets[member] += piece_numel(piece) * NS_BYTES
-        return ok
+        return attempt.ok
+
+    def _insert_pieces(
+        self, u: int, unit: Unit, received: list[torch.Tensor], offsets: list[int]
+    ) -> None:
+        """The members' pieces of unit ``u``'s input, into the owner's whole matrix."""
+        full = self.fulls[u]
+        for member, piece in zip(unit.members, unit.pieces, strict=True):
+            if member != self.rank:
+                n = piece_numel(piece) * NS_BYTES
+                raw = received[member][offsets[member] : offsets[member] + n]
+                data = view_as(raw, BF16, piece_shape(piece)).to(full.device)
+                insert(full, piece, data)
 
     def orthogonalise(self, ok: bool, batched: bool | None) -> dict[int, torch.Tensor]:
+        """Newton-Schulz of every whole input this owner holds (``newton_schulz_all``); a
+        failure is reported in the second exchange's status word."""
         if not (ok and self.fulls):
             return {}
-        try:
-            groups = {u: self.groups[self.mine[u]] for u in self.fulls}
-            return newton_schulz_all(self.fulls, groups, batched)
-        except Exception as exc:  # reported in the second exchange's status word
-            self.fail(exc)
-            return {}
+        return self.attempt.run(self._newton_schulz, batched, default={})
+
+    def _newton_schulz(self, batched: bool | None) -> dict[int, torch.Tensor]:
+        groups = {u: self.groups[self.mine[u]] for u in self.fulls}
+        return newton_schulz_all(self.fulls, groups, batched)
 
     def send_outward(
         self, ok: bool, orthogonal: dict[int, torch.Tensor]
@@ -478,9 +490,10 @@ class _MuonStep:
                 out[holder].extend(parts)
         if self.verdict is None:
             recv = _recv_out(self.plan, self.present, self.alias)
-            return exchange("muon_out", out, recv, int(self.error is not None), self.group)
-        if self.error is not None:
-            self.verdict.fail(self.error)
+            return exchange("muon_out", out, recv, self.attempt.status, self.group)
+        own = self.attempt.exception
+        if own is not None:
+            self.verdict.fail(own)
         recv = _out_sizes_on_device(self.plan)[1]
         back = exchange_on_device("muon_out", out, recv, self.verdict, self.group, self.plan.slot)
         return back, []

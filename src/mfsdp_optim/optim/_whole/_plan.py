@@ -195,22 +195,7 @@ def plan_units(
 
     Raises ValueError (the same one on every rank, since every rank sees the same input) when
     the ranks of a param's mesh disagree about it or one of them lacks it."""
-    seen: dict[tuple, tuple[ParamMeta, set[int]]] = {}
-    for rank, per_rank in enumerate(metas):
-        keys = set()
-        for m in per_rank:
-            if m.key in keys:
-                raise ValueError(f"param {m.name!r} is listed twice on rank {rank}")
-            keys.add(m.key)
-            if m.key not in seen:
-                seen[m.key] = (m, set())
-            elif seen[m.key][0] != m:
-                raise ValueError(
-                    f"param {m.name!r}: ranks of its mesh disagree about it "
-                    f"({seen[m.key][0]} vs {m} on rank {rank}); pass the same params in the same "
-                    "layout on every rank"
-                )
-            seen[m.key][1].add(rank)
+    seen = _holders(metas)
     # each entry: one update, its replica groups (members, pieces) and its cost; a spanning
     # update of a param instance is one entry over all its replica groups, else one entry per
     # replica group
@@ -224,21 +209,7 @@ def plan_units(
                 f"param {meta.name!r} lives on ranks {list(meta.mesh_ranks)} but ranks {missing} "
                 "did not pass it: every rank of a param's mesh must call with it"
             )
-        coords = _coords(meta.mesh_shape)
-        rep_dims = [d for d, p in enumerate(meta.placements) if p[0] == "R"]
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for pos, c in enumerate(coords):
-            groups.setdefault(tuple(c[d] for d in rep_dims), []).append(pos)
-        replica_groups: list[ReplicaGroup] = [
-            (
-                tuple(meta.mesh_ranks[p] for p in positions),
-                tuple(
-                    piece_of(meta.shape, meta.mesh_shape, coords[p], meta.placements)
-                    for p in positions
-                ),
-            )
-            for positions in groups.values()
-        ]
+        replica_groups = _replica_groups(meta)
         cost = cost_of(meta, recipe)
         span = span_replicas
         if span is None:
@@ -263,6 +234,47 @@ def plan_units(
         if most[1] < most[0]:
             return others
     return units
+
+
+def _holders(metas: Sequence[Sequence[ParamMeta]]) -> dict[tuple, tuple[ParamMeta, set[int]]]:
+    """Each param's meta and the ranks that passed it, by key; raises ValueError where a rank
+    lists a param twice or the ranks of its mesh disagree about it."""
+    seen: dict[tuple, tuple[ParamMeta, set[int]]] = {}
+    for rank, per_rank in enumerate(metas):
+        keys = set()
+        for m in per_rank:
+            if m.key in keys:
+                raise ValueError(f"param {m.name!r} is listed twice on rank {rank}")
+            keys.add(m.key)
+            if m.key not in seen:
+                seen[m.key] = (m, set())
+            elif seen[m.key][0] != m:
+                raise ValueError(
+                    f"param {m.name!r}: ranks of its mesh disagree about it "
+                    f"({seen[m.key][0]} vs {m} on rank {rank}); pass the same params in the same "
+                    "layout on every rank"
+                )
+            seen[m.key][1].add(rank)
+    return seen
+
+
+def _replica_groups(meta: ParamMeta) -> list[ReplicaGroup]:
+    """The param's replica groups: each group's ranks (mesh coordinates equal on every
+    Replicate dim) and their pieces, in mesh order."""
+    coords = _coords(meta.mesh_shape)
+    rep_dims = [d for d, p in enumerate(meta.placements) if p[0] == "R"]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for pos, c in enumerate(coords):
+        groups.setdefault(tuple(c[d] for d in rep_dims), []).append(pos)
+    return [
+        (
+            tuple(meta.mesh_ranks[p] for p in positions),
+            tuple(
+                piece_of(meta.shape, meta.mesh_shape, coords[p], meta.placements) for p in positions
+            ),
+        )
+        for positions in groups.values()
+    ]
 
 
 def _param_bytes(meta: ParamMeta) -> tuple[int, int, int]:

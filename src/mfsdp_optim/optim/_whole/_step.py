@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..._infra.agreement import RankMismatchError, agree, by_value, digest
+from ..._infra.attempt import Attempt
 from ..._infra.comm import collective_device, host_group_of
 from ._checks import check_whole_hyperparameters
 from ._exchange import WORDING
@@ -85,6 +86,16 @@ def _step_error(recipe: str, params: Sequence[DTensor], names: Sequence[str]) ->
         if recipe == "muon" and (torch.is_complex(p) or g.is_sparse):
             return f"param {name!r}: Muon takes neither complex params nor sparse grads"
     return None
+
+
+def _check_locally(
+    optimizer: torch.optim.Optimizer, recipe: str, params: Sequence[DTensor], names: Sequence[str]
+) -> None:
+    """Raise where this rank cannot step: its hyperparameters, or a param's grad."""
+    check_whole_hyperparameters(optimizer)
+    reason = _step_error(recipe, params, names)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def _disagreement(details: list) -> str:
@@ -173,14 +184,9 @@ def step_whole_params(
     host_group = group
     if verdict is not None and recipe != "muon":
         host_group = host_group_of(group)  # made at the first such step, on every rank
-    error: BaseException | None = None
-    try:  # local checks, before anything changes and before any byte moves
-        check_whole_hyperparameters(optimizer)
-        reason = _step_error(recipe, params, names)
-        if reason is not None:
-            raise ValueError(reason)
-    except Exception as exc:
-        error = exc
+    checks = Attempt()  # local checks, before anything changes and before any byte moves
+    checks.run(_check_locally, optimizer, recipe, params, names)
+    error = checks.exception
     token = REBUILD if rebuild else plan_cache.digest  # type: ignore[union-attr]
     detail = (recipe, rebuild, token)
     on_device = verdict is not None and recipe == "muon"
@@ -193,7 +199,7 @@ def step_whole_params(
             muon_step(optimizer, params, groups, plan_cache, group, batched_ns, verdict)  # type: ignore[arg-type]
             return plan_cache  # type: ignore[return-value]
     else:  # the step's agreement: ONE small all-reduce; an object gather only when it fails
-        agreed = agree(error, host_group, digest=[*digest(recipe), token], detail=detail)
+        agreed = checks.verdict(host_group, digest=[*digest(recipe), token], detail=detail)
         if not agreed.same and plan_cache is not None:
             plan_cache.broken = True  # on every rank alike (the verdict is): all rebuild next
         agreed.raise_own_or_peer(error, WORDING)

@@ -1,6 +1,7 @@
 """The whole-param step's verdict kept on the device (``OptimizerConfig(host_sync=False)``).
 
-A host-synced step reads every rank's status word and raises on every rank (``_exchange.settle``).
+A host-synced step reads every rank's status word and raises on every rank
+(``_infra.attempt.Attempt.settle``).
 A step that never reads the host follows the stats layer's protocol instead (``stats._reduce``,
 ``_infra.agreement.VerdictSlots``): every rank takes part in every collective with sizes fixed by
 the agreed plan, a rank that failed sends a non-zero status word with filler, each rank folds
