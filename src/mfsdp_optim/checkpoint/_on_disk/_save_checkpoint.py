@@ -1,19 +1,11 @@
-"""``save_checkpoint``: publish a checkpoint only when every rank finished (``load_checkpoint``,
-which refuses incomplete, damaged or foreign ones before a byte reaches the live state, is in
-``_staged`` and re-exported here).
+"""``save_checkpoint``: publish a checkpoint only when every rank finished.
 
-Map: ``_consensus`` agrees on what every rank saves or loads (ONE all-reduce of a digest; the
-detail only when it differs or a rank failed); ``_write`` writes each rank's files with DCP's
-planner and writer, without ``dcp.save``'s collectives (the agreement fixed who writes what),
-and rank 0 DCP's ``.metadata`` from the reports; ``_publish`` stages and publishes atomically;
-``_integrity`` checks completeness and checksums; ``_async`` stages and writes in the background.
-Collectives of ``save_checkpoint``: that all-reduce, one object gather (every rank's writes and
-checksums, rank 0's save id), one all-reduce (the publish verdict); the asynchronous save blocks
-for the copy and one all-reduce (every rank staged) and runs the other three on its own gloo
-group, on the copy. Of
-``load_checkpoint``: that all-reduce, one all-reduce (every rank loaded); DCP's load runs
-without collectives.
-The on-disk layout and its guarantees: docs/reliability.md.
+``_agree_on_content`` (ONE all-reduce of a digest; the detail only when it differs or a rank
+failed) and ``_who_writes``, then ``write_files`` (``_write``) and ``_finish`` (the checksums,
+one object gather of every rank's report, one all-reduce, rank 0's ``.metadata`` and publish,
+one all-reduce of its verdict). The asynchronous save blocks for the copy and one all-reduce
+(every rank staged) and runs the rest on its own gloo group, on the copy. The on-disk layout and
+its guarantees: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -30,12 +22,18 @@ from typing import Any, NamedTuple
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 
-from .._infra.agreement import Failure, Verdict, failure_of
-from .._infra.host import paused_gc
+from ..._infra.agreement import Failure, Verdict, failure_of
+from ..._infra.host import paused_gc
+from .._errors import RankDisagreementError
 from . import _async
-from ._async import PrepareHandle
+from ._check_checkpoint import (
+    COMPLETE_MARKER,
+    STAGING_SUFFIX,
+    checkpoint_status,
+    checksum_items,
+    item_record,
+)
 from ._consensus import (
-    RankDisagreementError,
     agree_on_directory,
     agreed,
     check_agreement,
@@ -47,35 +45,12 @@ from ._consensus import (
     raise_agreed,
     sig_digest,
     signatures,
-)
-from ._integrity import (
-    CHECKSUMS_FILE,
-    COMPLETE_MARKER,
-    STAGING_SUFFIX,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    check_checkpoint,
-    checkpoint_status,
-    checksum_items,
-    item_record,
+    unwrap_stateful,
 )
 from ._publish import check_name, publish
-from ._staged import load_checkpoint
 from ._write import Written, plain_writers, write_files, write_metadata
 
-__all__ = [
-    "CHECKSUMS_FILE",
-    "COMPLETE_MARKER",
-    "STAGING_SUFFIX",
-    "CorruptCheckpointError",
-    "IncompleteCheckpointError",
-    "RankDisagreementError",
-    "check_checkpoint",
-    "checkpoint_status",
-    "load_checkpoint",
-    "prepare_async_save",
-    "save_checkpoint",
-]
+__all__ = ["save_checkpoint"]
 
 
 @paused_gc()
@@ -175,7 +150,7 @@ def save_checkpoint(
     except (OSError, ValueError) as exc:
         prep = prep or failure_of(exc)
     try:
-        state_dict = _unwrap_stateful(state_dict)
+        state_dict = unwrap_stateful(state_dict)
     except Exception as exc:  # never leave the others waiting in the collective
         prep = prep or failure_of(exc)
     ranks = group_ranks(process_group, world)
@@ -229,38 +204,6 @@ def save_checkpoint(
             shutil.rmtree(staging, ignore_errors=True)
         raise
     return _async.start(final, lambda: write_and_finish(staged, group, None), t0)
-
-
-def prepare_async_save(state_dict: Mapping[str, Any], *, background: bool = True) -> PrepareHandle:
-    """Make the host memory an asynchronous save of ``state_dict`` copies into, ahead of it.
-
-    ``save_checkpoint(..., asynchronous=True)`` copies the state into host buffers it keeps
-    for the next save (page-locked where the state is on CUDA, exactly the state's size). The
-    first save would make them inside the call; page-locking gigabytes takes seconds there,
-    against a fraction of a second for the copy. Call this once, at a point outside training's
-    critical path (after the first optimizer step, when the state exists), with the state dict
-    the saves will pass: with ``background=True`` (the default) it returns at once and the
-    buffers are made on a background thread while training goes on, so the first asynchronous
-    save blocks only for its copy, as the later ones do.
-
-    It holds one copy of the state's tensors in host memory, the one every later save reuses
-    (no more than the saves alone hold); a save whose tensors differ in size makes its buffers
-    again, dropping these first. A save in flight is waited for before its buffers are
-    touched; a save that starts before the buffers are made waits for them. Nothing is written
-    or copied, no collective runs: each rank may call it at any point (or not at all).
-
-    Args:
-        state_dict: This rank's state dict as the saves will pass it, for example
-            ``{"optimizer": opt.sharded_state_dict()}``; only the dtypes, devices and shapes
-            of its tensors are read.
-        background: Make the buffers on a background thread (return at once), or before
-            returning.
-
-    Returns:
-        A ``PrepareHandle``: ``wait()`` blocks until the buffers are made (and raises if
-        making them failed: the next save then makes them itself), ``done()``, ``nbytes``.
-    """
-    return _async.prepare(_unwrap_stateful(state_dict), background)
 
 
 def _agree_on_content(
@@ -317,14 +260,6 @@ def _who_writes(
             f"ranks disagree on the state dict to save into {final} (nothing written)",
         )
     return plain, None
-
-
-def _unwrap_stateful(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """``state_dict`` with every ``Stateful`` value replaced by its ``state_dict()`` (what
-    ``dcp.save`` saves of it), before the ranks agree on what they save."""
-    from torch.distributed.checkpoint.stateful import Stateful
-
-    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
 
 
 class _Job(NamedTuple):

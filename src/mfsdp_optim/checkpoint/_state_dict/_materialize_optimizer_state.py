@@ -14,7 +14,7 @@ docs/internals.md, "Inside the checkpoint layer". ``scratch_copy`` the shallow c
 scratch step here uses.
 
 Imports: the leaves ``_values`` and ``_infra``; no other stage of the build (the walk:
-``_build``'s map).
+``_build_sharded_state_dict``'s map).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from .._infra.group_lists import aligned_lists
-from .._infra.params import ParamRecord
-from .._infra.placement import as_stock_value, in_layout_of
+from ..._infra.group_lists import aligned_lists
+from ..._infra.params import ParamRecord
+from ..._infra.placement import as_stock_value, in_layout_of
 from ._values import dtype_name
 
 __all__ = [

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._infra.agreement import Failure, failure_of
-from .._infra.host import paused_gc
+from ..._infra.agreement import Failure, failure_of
+from ..._infra.host import paused_gc
 from . import _async
+from ._check_checkpoint import check_checkpoint, resolve
 from ._consensus import (
     agree_on_directory,
     agreed,
@@ -34,7 +35,6 @@ from ._consensus import (
     sig_digest,
     signatures,
 )
-from ._integrity import check_checkpoint, resolve
 from ._safe import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -183,7 +183,7 @@ def clone(value: Any) -> Any:
     """A staging copy of a load target: containers copied, tensors cloned, the rest shared."""
     from torch.distributed.tensor import DTensor
 
-    from .._infra.placement import copy_in_layout
+    from ..._infra.placement import copy_in_layout
 
     if isinstance(value, DTensor):
         return copy_in_layout(value)

@@ -12,9 +12,9 @@ state per held FQN, in order), so the table is built once, after the agreement, 
 ``Keyspace``. The protocol and the description's fields: docs/internals.md, "Inside the
 checkpoint layer".
 
-Imports: the leaves ``_values`` and ``_infra.agreement``; ``_materialize``'s ``Signature`` for
-types only. The later stages (``_table``, ``_layout``) read the ``Keyspace`` it returns and call
-nothing here (the walk: ``_build``'s map).
+Imports: the leaves ``_values`` and ``_infra.agreement``; ``_materialize_optimizer_state``'s
+``Signature`` for types only. The later stages (``_table``, ``_layout``) read the ``Keyspace`` it
+returns and call nothing here (the walk: ``_build_sharded_state_dict``'s map).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .._infra import agreement
-from .._infra.params import ParamRecord
+from ..._infra import agreement
+from ..._infra.params import ParamRecord
 from ._values import (
     PARAM_SHAPED,
     SCALAR,
@@ -39,7 +39,7 @@ from ._values import (
 )
 
 if TYPE_CHECKING:
-    from ._materialize import Signature
+    from ._materialize_optimizer_state import Signature
 
 __all__ = [
     "Keyspace",
@@ -85,9 +85,9 @@ def agreed_keyspace(
 ) -> tuple[Keyspace, list[str]]:
     """Stage 2 of ``build_sharded_state_dict``: the keyspace every rank of ``group`` agrees on,
     and the errors every rank raises (``[]`` when none). ``derived``: per dtype, the signature a
-    param this rank's optimizer does not hold would get (``_materialize.first_step_state``).
-    Every rank issues ONE ``all_reduce`` of the digest, then ONE object gather only when the
-    digests differ."""
+    param this rank's optimizer does not hold would get
+    (``_materialize_optimizer_state.first_step_state``). Every rank issues ONE ``all_reduce`` of
+    the digest, then ONE object gather only when the digests differ."""
     local = describe_state(optimizer, records, derived)
     descriptions = agree_keyspace(local, digest(local), group)
     if descriptions is None:
