@@ -27,33 +27,34 @@ def _wording():
 
 
 class _Count:
-    """The real collectives one block issues (the real functions run, wrapped to count)."""
+    """The real collectives one block issues, counted at ``torch.distributed`` (the real
+    functions run, wrapped to count); an object gather is two flat all-gathers."""
+
+    NAMES = {
+        "all_reduce": "all_reduce",
+        "all_gather": "all_gather",
+        "all_gather_single": "all_gather_objects",
+        "all_gather_into_tensor": "all_gather_objects",
+    }
 
     def __enter__(self):
-        from mfsdp_optim._infra import comm
-
         self.calls: list[str] = []
-        self._real = comm._all_gather_flat, dist.all_reduce, dist.all_gather
+        self._real = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
 
-        def gather_flat(out, inp, group):
-            self.calls.append("all_gather_objects")
-            return self._real[0](out, inp, group)
+        def counted(name, real):
+            def call(*args, **kwargs):
+                self.calls.append(self.NAMES[name])
+                return real(*args, **kwargs)
 
-        def reduce(tensor, *a, **k):
-            self.calls.append("all_reduce")
-            return self._real[1](tensor, *a, **k)
+            return call
 
-        def gather(out, tensor, *a, **k):
-            self.calls.append("all_gather")
-            return self._real[2](out, tensor, *a, **k)
-
-        comm._all_gather_flat, dist.all_reduce, dist.all_gather = gather_flat, reduce, gather
+        for name, real in self._real.items():
+            setattr(dist, name, counted(name, real))
         return self
 
     def __exit__(self, *exc):
-        from mfsdp_optim._infra import comm
-
-        comm._all_gather_flat, dist.all_reduce, dist.all_gather = self._real
+        for name, real in self._real.items():
+            setattr(dist, name, real)
 
 
 def _outcome(fn):
@@ -225,6 +226,7 @@ def test_run_keeps_the_first_failure_and_skips_what_follows():
     assert not dist.is_initialized()
     attempt = Attempt()
     assert attempt.ok and attempt.status == 0 and attempt.failure is None
+    assert attempt.exception is None
     assert attempt.run(lambda a, b: a + b, 1, 2) == 3
     first = ValueError("first")
 
@@ -237,6 +239,7 @@ def test_run_keeps_the_first_failure_and_skips_what_follows():
     assert attempt.run(ran.append, 1, default={}) == {} and ran == []  # skipped
     attempt.fail(RuntimeError("consequence"))
     assert attempt.error is first and attempt.failure.text == "ValueError: first"
+    assert attempt.exception is first
     with pytest.raises(ValueError, match="^first$"):
         attempt.settle(None, _wording())
 

@@ -71,6 +71,14 @@ class Attempt:
         return int(self.error is not None)
 
     @property
+    def exception(self) -> BaseException | None:
+        """This rank's failure as it raises it: the exception itself, or a ``RuntimeError``
+        with a carried ``Failure``'s text; None where this rank has not failed."""
+        if self.error is None or isinstance(self.error, BaseException):
+            return self.error
+        return RuntimeError(self.error.text)
+
+    @property
     def failure(self) -> Failure | None:
         """This rank's failure as ``agreement.agree`` takes it, or None."""
         return failure_of(self.error)
@@ -104,8 +112,7 @@ class Attempt:
         ``RankFailedError`` naming the failing ranks and their errors."""
         if self.ok:
             return
-        own = self._own_exception()
-        agree(self.error, group, always=True).raise_own_or_peer(own, wording)
+        agree(self.error, group, always=True).raise_own_or_peer(self.exception, wording)
         raise RuntimeError(  # a status word without a failure behind it: a bug, never a result
             f"{wording.what}: a rank signalled a failure but reported none; nothing was updated"
         )
@@ -121,10 +128,3 @@ class Attempt:
         ``failure`` (and ``digest``, ``detail``) over ``group``; raises nothing but a failed
         collective. The caller raises from the verdict as its protocol says."""
         return agree(self.failure, group, digest=digest, detail=detail)
-
-    def _own_exception(self) -> BaseException | None:
-        """What this rank raises for its own failure: the exception itself, or a
-        ``RuntimeError`` with a carried ``Failure``'s text."""
-        if self.error is None or isinstance(self.error, BaseException):
-            return self.error
-        return RuntimeError(self.error.text)
