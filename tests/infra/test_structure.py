@@ -107,10 +107,6 @@ FOLDER_DEBT: dict[str, int] = {
 
 # rule 4: (file below src/mfsdp_optim, function's qualified name) -> lines of code (a ceiling)
 LONG_FUNCTION_DEBT: dict[tuple[str, str], int] = {
-    ("checkpoint/_state_dict/_keyspace.py", "describe_state"): 93,
-    ("checkpoint/_on_disk/_save_checkpoint.py", "_finish"): 90,
-    ("checkpoint/_on_disk/_save_checkpoint.py", "save_checkpoint"): 88,
-    ("checkpoint/_on_disk/_load_checkpoint.py", "load_checkpoint"): 110,
     ("optim/_fast_step.py", "FastAdamStep._step_group"): 100,
     ("optim/_whole/_generic.py", "generic_step"): 202,
 }

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..._infra import agreement
 from ..._infra.agreement import Failure, Verdict
+from ..._infra.attempt import Attempt
 from ..._infra.comm import all_gather_objects
 from .._errors import (
     CorruptCheckpointError,
@@ -67,10 +68,13 @@ def collective_failed(exc: BaseException) -> RuntimeError:
     )
 
 
-def agreed(outcome: Failure | None, group, **kwargs: Any) -> Verdict:
-    """``agreement.agree`` (its collectives, with a failed one named as such)."""
+def agreed(outcome: Attempt | Failure | None, group, **kwargs: Any) -> Verdict:
+    """Every rank's outcome agreed: ``Attempt.verdict`` of this rank's ``Attempt`` (or of a
+    ``Failure``, None for none) over ``group`` (``agreement.agree``, its ``digest`` and ``detail``
+    in ``kwargs``), with a failed collective named as such."""
+    attempt = outcome if isinstance(outcome, Attempt) else Attempt(outcome)
     try:
-        return agreement.agree(outcome, group, **kwargs)
+        return attempt.verdict(group, **kwargs)
     except RuntimeError as exc:
         raise collective_failed(exc) from exc
 
