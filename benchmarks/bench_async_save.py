@@ -104,13 +104,13 @@ def main() -> int:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from mfsdp_optim._infra.params import ParamRecord
     from mfsdp_optim.checkpoint import (
-        _host_buffers,
+        ParamRecord,
         build_sharded_state_dict,
         prepare_async_save,
         save_checkpoint,
     )
+    from mfsdp_optim.checkpoint.seam import host_buffer_bytes, release_host_buffers
 
     device = torch.device(args.device)
     tmp = tempfile.mkdtemp(prefix="bench_async_")
@@ -153,7 +153,7 @@ def main() -> int:
     try:
         # prepared on a background thread while the stand-in for training runs (first in the
         # process, so its first save pays what any first save pays: the background's group)
-        _host_buffers.release()
+        release_host_buffers()
         sd = state()
         run, alone = _stand_in(device, args.iters)
         t = time.perf_counter()
@@ -175,13 +175,13 @@ def main() -> int:
                 f"prepared {which}: blocks {blocked[-1]:.3f} s "
                 f"({blocked[-1] / floor:.2f}x the floor)"
             )
-        held = _host_buffers.nbytes()
+        held = host_buffer_bytes()
         print(
             f"host buffers held: {held / 2**30:.3f} GiB for {state_bytes / 2**30:.3f} GiB of "
             f"state tensors ({held / state_bytes:.3f}x; the state dict's other tensors included)"
         )
         # unprepared, for comparison: the buffers dropped, then made inside the save
-        _host_buffers.release()
+        release_host_buffers()
         cold = _save(state(), f"{tmp}/cold", floor)
         print(f"unprepared first save: blocks {cold:.3f} s ({cold / floor:.2f}x the floor)")
         later = blocked[1:] or blocked

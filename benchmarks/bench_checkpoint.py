@@ -12,9 +12,9 @@ order, on the same optimizer and the same tensors:
   * ours, ``save_checkpoint(asynchronous=True)``: the time the call blocks the caller (with and
     without the state dict's build), and the time until ``wait()`` returns.
 
-Reported: the worst rank's wall time of each phase (between barriers), bytes on disk, the items
-in ``.metadata``, the bytes each rank handed to the keyspace agreement (``comm.SENT``), and peak
-RSS of rank 0 and of the last rank during each phase (sampled every 2 ms from /proc, as the
+Reported: the worst rank's wall time of each phase (between barriers), bytes on disk, the items in
+``.metadata``, the bytes each rank handed to the keyspace agreement (``collective_bytes_sent``), and
+peak RSS of rank 0 and of the last rank during each phase (sampled every 2 ms from /proc, as the
 increase over the RSS before the phase), against the size of the rank's state.
 
 Run::
@@ -95,7 +95,7 @@ def _model(n_params: int, shape, world: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from mfsdp_optim._infra.params import ParamRecord
+    from mfsdp_optim.checkpoint import ParamRecord
 
     mesh = init_device_mesh("cpu", (world,))
     gshape = (shape[0] * world, shape[1])
@@ -127,13 +127,13 @@ def worker(rank, world, args, tmp, queue):
         set_optimizer_state_dict,
     )
 
-    from mfsdp_optim._infra import comm
     from mfsdp_optim.checkpoint import (
         build_sharded_state_dict,
         load_checkpoint,
         load_sharded_state_dict,
         save_checkpoint,
     )
+    from mfsdp_optim.checkpoint.seam import collective_bytes_sent, describe_state
 
     model, opt, records = _model(args.params, (args.rows, args.cols), world)
     res: dict = {
@@ -144,13 +144,11 @@ def worker(rank, world, args, tmp, queue):
             if v.dim() > 0
         )
     }
-    sent0 = dict(comm.SENT)
+    sent0 = collective_bytes_sent()
     build_sharded_state_dict(opt, records)
-    res["keyspace_sent"] = sum(comm.SENT.values()) - sum(sent0.values())
+    res["keyspace_sent"] = collective_bytes_sent() - sent0
     # what the detailed exchange (0.1.0's only path, now the fallback) would send per rank
     import pickle
-
-    from mfsdp_optim.checkpoint._keyspace import describe_state
 
     res["detail_sent"] = 8 + len(
         pickle.dumps(describe_state(opt, records).description, protocol=pickle.HIGHEST_PROTOCOL)

@@ -161,8 +161,8 @@ def global_state(sd):
     gather); a format-2 dict's leaves (hyperparameters + ``step``), which only the ranks whose
     optimizer holds a param emit, are first shared with every rank (one object gather), so
     every rank returns the same global view."""
-    from mfsdp_optim.checkpoint._load import as_format1
-    from mfsdp_optim.checkpoint._table import as_table, is_table
+    from mfsdp_optim.checkpoint._state_dict._load_sharded_state_dict import as_format1
+    from mfsdp_optim.checkpoint._state_dict._table import as_table, is_table
 
     leaves = sd["param_to_group_meta"]
     if is_table(leaves):

@@ -224,7 +224,7 @@ class _FailingLoads:
 
 def _rank_background_fault(root, point):
     from mfsdp_optim._infra import comm
-    from mfsdp_optim.checkpoint import _save
+    from mfsdp_optim.checkpoint._on_disk import _save_checkpoint as _save
 
     good, new = os.path.join(root, "good"), os.path.join(root, f"new_{point}")
     m = _trained()
@@ -380,7 +380,7 @@ KILLS = [
 
 
 def _kill_worker(rank, world, init_file, root, stage, who):
-    from mfsdp_optim.checkpoint import _async, _publish
+    from mfsdp_optim.checkpoint._on_disk import _async, _publish
 
     m, sd = start_kill_rank(rank, world, init_file, root)
     state = global_state(sd)
@@ -501,7 +501,7 @@ def test_async_save_killed_at_any_stage(ranks, tmp_path, stage, who):
 
 
 def test_stage_copies_every_tensor_and_shares_nothing_mutable():
-    from mfsdp_optim.checkpoint._async import stage
+    from mfsdp_optim.checkpoint._on_disk._async import stage
 
     live = {
         "a": torch.arange(6.0).view(2, 3),
@@ -552,7 +552,7 @@ def test_stage_reuses_its_views_only_for_the_same_shapes():
     """The host views are kept from one save to the next: a change of shapes (same total size,
     so the same buffer), of the tensor count or of a dtype is seen; the same shapes get the new
     values, never the previous save's."""
-    from mfsdp_optim.checkpoint._async import stage
+    from mfsdp_optim.checkpoint._on_disk._async import stage
 
     def check(live: dict) -> dict:
         got = stage(live)
@@ -575,7 +575,7 @@ def _placement_texts(tmp: str) -> tuple[dict, str]:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     from mfsdp_optim.checkpoint import RankDisagreementError
-    from mfsdp_optim.checkpoint._consensus import signatures
+    from mfsdp_optim.checkpoint._on_disk._consensus import signatures
 
     mesh = init_device_mesh("cpu", (2,))
     place = {"a": [Shard(0)], "b": [Replicate()], "c": [Shard(0)], "d": [Replicate()]}
@@ -638,7 +638,7 @@ def _staged_dtensors():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from mfsdp_optim.checkpoint._async import stage
+    from mfsdp_optim.checkpoint._on_disk._async import stage
 
     mesh = init_device_mesh("cpu", (2,))
     r = dist.get_rank()
@@ -679,7 +679,7 @@ def test_stage_reuses_a_dtensor_only_for_the_same_view_and_spec(ranks):
 
 
 def _rank_staging_fails(root):
-    from mfsdp_optim.checkpoint import _async
+    from mfsdp_optim.checkpoint._on_disk import _async
 
     good, bad = os.path.join(root, "good"), os.path.join(root, "bad")
     m = _trained()

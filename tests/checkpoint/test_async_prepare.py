@@ -27,7 +27,7 @@ from mfsdp_optim.checkpoint import load_checkpoint, prepare_async_save, save_che
 @pytest.fixture(autouse=True)
 def _fresh_buffers():
     """Every test starts and ends without kept host buffers (they are per process)."""
-    from mfsdp_optim.checkpoint import _async, _host_buffers
+    from mfsdp_optim.checkpoint._on_disk import _async, _host_buffers
 
     _async.settle()
     _host_buffers.release()
@@ -37,13 +37,13 @@ def _fresh_buffers():
 
 
 def _state_bytes(sd) -> int:
-    from mfsdp_optim.checkpoint._async import _collect
+    from mfsdp_optim.checkpoint._on_disk._async import _collect
 
     return sum(t.numel() * t.element_size() for t in _collect(sd)[1])
 
 
 def _buffer_ptrs() -> dict:
-    from mfsdp_optim.checkpoint import _host_buffers
+    from mfsdp_optim.checkpoint._on_disk import _host_buffers
 
     with _host_buffers.LOCK:
         return {k: b.tensor.data_ptr() for k, b in _host_buffers._BUFFERS.items()}
@@ -56,7 +56,7 @@ def _quiet():
 def test_the_first_save_copies_into_the_prepared_buffers(tmp_path):
     """Prepared (on the caller's thread, then on a background thread): the saves copy into those
     very buffers, one copy of the state's exact size, and write each save's own values."""
-    from mfsdp_optim.checkpoint import _host_buffers
+    from mfsdp_optim.checkpoint._on_disk import _host_buffers
 
     live = {"w": torch.arange(12.0).view(3, 4), "v": torch.ones(5), "i": torch.arange(3)}
     sd = {"s": live}
@@ -85,7 +85,7 @@ def test_the_first_save_copies_into_the_prepared_buffers(tmp_path):
 def test_a_save_that_overtakes_the_preparation_waits_for_it(tmp_path, monkeypatch):
     """The preparation holds the buffers' lock while it makes them: a save started meanwhile
     waits, then finds them made (nothing made twice, one copy held)."""
-    from mfsdp_optim.checkpoint import _host_buffers
+    from mfsdp_optim.checkpoint._on_disk import _host_buffers
 
     made = threading.Event()
     go = threading.Event()
@@ -115,7 +115,7 @@ def test_a_save_that_overtakes_the_preparation_waits_for_it(tmp_path, monkeypatc
 def test_a_preparation_waits_for_the_save_in_flight_and_holds_one_copy(tmp_path):
     """A save in flight writes from the buffers: a preparation (here for other sizes) waits for
     it before replacing them, and holds the new state's size alone afterwards."""
-    from mfsdp_optim.checkpoint import _host_buffers
+    from mfsdp_optim.checkpoint._on_disk import _host_buffers
 
     first = {"s": {"w": torch.arange(8.0)}}
     second = {"s": {"w": torch.arange(20.0)}}
@@ -139,7 +139,7 @@ def test_a_preparation_waits_for_the_save_in_flight_and_holds_one_copy(tmp_path)
 
 
 def test_a_failed_preparation_leaves_the_save_to_make_its_buffers(tmp_path, monkeypatch):
-    from mfsdp_optim.checkpoint import _host_buffers
+    from mfsdp_optim.checkpoint._on_disk import _host_buffers
 
     real = _host_buffers._Buffer
     failing = {"on": True}
@@ -166,7 +166,7 @@ def test_a_failed_preparation_leaves_the_save_to_make_its_buffers(tmp_path, monk
 def _rank_prepared_on_some_ranks(root):
     """Rank 0 prepares, rank 1 does not: the preparation itself is local (no collective; the
     state dict it reads is built on every rank), and the saves of both are the usual ones."""
-    from mfsdp_optim.checkpoint import _async, _host_buffers
+    from mfsdp_optim.checkpoint._on_disk import _async, _host_buffers
 
     _async.settle()  # this pool process may keep buffers of an earlier test's saves
     _host_buffers.release()
@@ -202,7 +202,7 @@ def test_prepared_buffers_are_page_locked_at_their_exact_size(tmp_path):
     """On CUDA: the prepared buffers are page-locked (registered), hold the state's exact size
     (torch's pinned allocator would round 3 MiB + 4 bytes up to 4 MiB), the first save copies
     into them, and releasing them unlocks the pages."""
-    from mfsdp_optim.checkpoint import _host_buffers
+    from mfsdp_optim.checkpoint._on_disk import _host_buffers
 
     live = {"w": torch.randn(768, 1024, device="cuda"), "b": torch.randn(1, device="cuda")}
     sd = {"s": live}

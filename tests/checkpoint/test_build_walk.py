@@ -2,9 +2,10 @@
 
 A profiler hook records, after every Python call and return, the module of ``mfsdp_optim`` that
 is executing. The walk is that sequence with the leaves (modules that are neither the
-orchestrator ``_build`` nor a stage: ``_values``, ``_infra.*``) folded into the module that
-called them; it must read ``_build > _materialize > _build > _keyspace > _build > _table >
-_build > _layout > _build``: no return to a module already left except to the orchestrator,
+orchestrator nor a stage: ``_values``, ``_infra.*``) folded into the module that called them;
+it must read ``_build > _materialize > _build > _keyspace > _build > _table > _build > _layout >
+_build`` (``_build``: ``_build_sharded_state_dict``; ``_materialize``:
+``_materialize_optimizer_state``): no return to a module already left except to the orchestrator,
 and no leaf calling back into a stage. Traced on 1 rank and on 2 real gloo ranks whose digests
 are equal (no merge) and differ (the empty-shard filter: a merge), saving and loading, with
 the collectives counted beside it (ONE ``all_reduce``; the gather only when digests differ).
@@ -26,9 +27,10 @@ from mfsdp_optim.checkpoint import build_sharded_state_dict
 pytestmark = pytest.mark.timeout(120)
 
 PACKAGE = "mfsdp_optim."
-ORCHESTRATOR = "mfsdp_optim.checkpoint._build"
+ORCHESTRATOR = "mfsdp_optim.checkpoint._state_dict._build_sharded_state_dict"
 STAGES = tuple(
-    f"mfsdp_optim.checkpoint.{m}" for m in ("_materialize", "_keyspace", "_table", "_layout")
+    f"mfsdp_optim.checkpoint._state_dict.{m}"
+    for m in ("_materialize_optimizer_state", "_keyspace", "_table", "_layout")
 )
 
 
@@ -175,7 +177,7 @@ def test_the_walk_check_sees_a_back_and_forth():
     """The checker itself: a stage entered twice, a stage called from another, a leaf calling
     back into a stage, each is named, with the walk counted."""
     b, m, k, t, lay = (ORCHESTRATOR, *STAGES)
-    values = "mfsdp_optim.checkpoint._values"
+    values = "mfsdp_optim.checkpoint._state_dict._values"
     assert walk_problems([b, m, b, k, values, k, b, t, b, lay, b]) == []
     twice = walk_problems([b, m, b, k, b, t, b, k, b, t, b, lay, b])
     assert "2 returns to a module already left: _keyspace > _table" in twice[0], twice
@@ -183,7 +185,7 @@ def test_the_walk_check_sees_a_back_and_forth():
     nested = walk_problems([b, m, b, k, t, k, b, t, b, lay, b])
     assert "2 returns to a module already left: _keyspace > _table" in nested[0], nested
     callback = walk_problems([b, m, b, k, values, t, values, k, b, t, b, lay, b])
-    assert "entered from mfsdp_optim.checkpoint._keyspace" in callback[0], callback
+    assert "entered from mfsdp_optim.checkpoint._state_dict._keyspace" in callback[0], callback
 
 
 # ------------------------------------------------------------------------------------------
@@ -248,9 +250,9 @@ _VARIANTS = [
 def _digests():
     """Per variant: what the digest hashes now, and what it hashed before (every record's tensor
     signature and the fingerprint of the table the rank would emit), computed independently."""
-    from mfsdp_optim.checkpoint._keyspace import describe_state, local_keyspace
-    from mfsdp_optim.checkpoint._materialize import first_step_state
-    from mfsdp_optim.checkpoint._table import GroupMetaTable
+    from mfsdp_optim.checkpoint._state_dict._keyspace import describe_state, local_keyspace
+    from mfsdp_optim.checkpoint._state_dict._materialize_optimizer_state import first_step_state
+    from mfsdp_optim.checkpoint._state_dict._table import GroupMetaTable
 
     out = {}
     for name in _VARIANTS:

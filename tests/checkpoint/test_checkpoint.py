@@ -26,8 +26,8 @@ from mfsdp_optim.checkpoint import (
     load_sharded_state_dict,
     prune_to_checkpoint,
 )
-from mfsdp_optim.checkpoint._load import as_format1
-from mfsdp_optim.checkpoint._table import as_table
+from mfsdp_optim.checkpoint._state_dict._load_sharded_state_dict import as_format1
+from mfsdp_optim.checkpoint._state_dict._table import as_table
 
 STEPS = 2
 

@@ -228,7 +228,7 @@ def test_stateful_adapter_with_grad_scaler(ranks, tmp_path):
 
 
 def _inspect(capsys, *args):
-    from mfsdp_optim.checkpoint._inspect import main
+    from mfsdp_optim.checkpoint._cli import main
 
     code = main(["inspect", *args])
     out = capsys.readouterr()

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from _checkpoint_helpers import Model
 
 from mfsdp_optim.checkpoint import build_sharded_state_dict, load_sharded_state_dict
-from mfsdp_optim.checkpoint._table import (
+from mfsdp_optim.checkpoint._state_dict._table import (
     TAG,
     VERSION,
     GroupMeta,

@@ -19,7 +19,7 @@ import sys
 import pytest
 from _ranks import get_pool
 
-from mfsdp_optim.checkpoint._inspect import main
+from mfsdp_optim.checkpoint._cli import main
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "src")
 

@@ -432,7 +432,7 @@ def test_factor_chunk_rewritten_in_metadata_is_refused(ranks, tmp_path, edit):
 def test_chunk_tiling_check_finds_holes_overlaps_and_strays():
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-    from mfsdp_optim.checkpoint._staged import _tiling_problem
+    from mfsdp_optim.checkpoint._on_disk._load_checkpoint import _tiling_problem
 
     def chunks(*boxes):
         return [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes]

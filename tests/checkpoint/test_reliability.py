@@ -143,7 +143,7 @@ def test_rank_killed_mid_save_keeps_previous_checkpoint(ranks, tmp_path, mode, v
     assert not os.path.exists(step2)
     assert os.path.isdir(step2 + ".incomplete")
     assert not os.path.exists(os.path.join(step2 + ".incomplete", "mfsdp_complete.json"))
-    from mfsdp_optim.checkpoint._inspect import main
+    from mfsdp_optim.checkpoint._cli import main
 
     for p in (step2, step2 + ".incomplete"):
         status, msg = checkpoint_status(p)
@@ -290,7 +290,7 @@ def _disagree(root, case):
     if case == "extra_param" and rank == 3:  # rank 3's model has a param the others lack
         sd["state"]["extra.weight"] = dict(sd["state"]["layers.0.weight"])
     if case == "scalar" and rank == 1:  # rank 1 is one step ahead: DCP would keep one 'step'
-        from mfsdp_optim.checkpoint._table import GroupMetaTable
+        from mfsdp_optim.checkpoint._state_dict._table import GroupMetaTable
 
         leaves = dict(sd["param_to_group_meta"].leaves())  # the table is read-only: a new one
         hyper, scalars = leaves["layers.0.bias"]
@@ -376,7 +376,7 @@ def _plant_metadata(path: str, sentinel: str) -> None:
 
 def test_malicious_metadata_is_never_unpickled(tmp_path):
     from mfsdp_optim.checkpoint import check_checkpoint, inspect_checkpoint, safe_read_metadata
-    from mfsdp_optim.checkpoint._inspect import main
+    from mfsdp_optim.checkpoint._cli import main
 
     sentinel = str(tmp_path / "pwned")
     path = str(tmp_path / "ckpt")

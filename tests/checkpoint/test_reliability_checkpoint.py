@@ -219,7 +219,8 @@ _KILL_SCRIPT = textwrap.dedent("""
     import os, signal, sys, warnings
     warnings.simplefilter("ignore")
     import torch
-    from mfsdp_optim.checkpoint import _publish, save_checkpoint
+    from mfsdp_optim.checkpoint import save_checkpoint
+    from mfsdp_optim.checkpoint._on_disk import _publish
 
     path, point = sys.argv[1], sys.argv[2]
     sd = lambda v: {"optimizer": {"state": {"w": {"exp_avg": torch.full((64,), v)}},

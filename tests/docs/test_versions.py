@@ -2,8 +2,9 @@
 
 ``mfsdp_optim.__version__`` has a release entry in CHANGELOG.md (under an "Unreleased" heading
 that stays on top); the checkpoint page's table of formats has a row for every format up to
-the one the code writes (``checkpoint._table.VERSION``); each row names the released versions
-that wrote it, and the release that writes the current format says so in its changelog entry.
+the one the code writes (``checkpoint._state_dict._table.VERSION``); each row names the released
+versions that wrote it, and the release that writes the current format says so in its changelog
+entry.
 So a new format fails here until a version is bumped and its changelog entry names it.
 """
 
@@ -13,7 +14,7 @@ import re
 from pathlib import Path
 
 import mfsdp_optim
-from mfsdp_optim.checkpoint import _table
+from mfsdp_optim.checkpoint._state_dict import _table
 
 ROOT = Path(__file__).resolve().parents[2]
 RELEASE = re.compile(r"^## \[(\d+\.\d+\.\d+)\]", re.M)

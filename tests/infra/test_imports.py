@@ -90,7 +90,7 @@ def test_the_walk_finds_every_layer():
         "mfsdp_optim",
         "mfsdp_optim.stats._math",
         "mfsdp_optim.optim",
-        "mfsdp_optim.checkpoint._table",
+        "mfsdp_optim.checkpoint._state_dict._table",
         "mfsdp_optim.checkpoint.__main__",
         "mfsdp_optim._infra.placement",
     ):

@@ -17,9 +17,8 @@ import re
 import sys
 from typing import Any
 
-from ._inspect import inspect_checkpoint
-from ._safe import UnsafeCheckpointError
-from ._save import CorruptCheckpointError, IncompleteCheckpointError
+from ._errors import CorruptCheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
+from ._inspect_checkpoint import inspect_checkpoint
 
 __all__ = ["main"]
 

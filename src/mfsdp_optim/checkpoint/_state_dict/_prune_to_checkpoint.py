@@ -12,7 +12,7 @@ def read_metadata(checkpoint: Any):
     """DCP ``Metadata`` of ``checkpoint``: a directory path, a StorageReader or Metadata itself."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from ._safe import safe_read_metadata
+    from .._on_disk._safe import safe_read_metadata
 
     if isinstance(checkpoint, Metadata):
         return checkpoint
@@ -75,7 +75,7 @@ def prune_to_checkpoint(state_dict: dict, checkpoint: Any, *, prefix: str = "opt
         FileNotFoundError: A path that is not a directory, or has no ``.metadata`` (not a
             finished DCP checkpoint).
     """
-    from ._load import as_format1, as_format2
+    from ._load_sharded_state_dict import as_format1, as_format2
     from ._table import GroupMetaTable, OptimizerStateDict, as_table, is_table
 
     md = read_metadata(checkpoint).state_dict_metadata

@@ -1,9 +1,10 @@
 """``param_to_group_meta`` of format 3: ONE read-only table, so ONE DCP item for every param.
 
-Stage 3 of the build: ``GroupMetaTable.from_keyspace`` (the stage's one entry) builds the table
-from the agreed ``Keyspace``, calling nothing of the other stages. Imports: the slot kinds from
-the leaf ``_values``; ``_keyspace``'s ``Keyspace`` for types only. The loaders, ``_interop``,
-``_prune`` and ``_inspect`` read tables too. The walk: ``_build``'s map.
+Stage 3 of the build: ``GroupMetaTable.from_keyspace`` (the stage's one entry) builds the table from
+the agreed ``Keyspace``, calling nothing of the other stages. Imports: the slot kinds from the leaf
+``_values``; ``_keyspace``'s ``Keyspace`` for types only. The loaders, ``_torch_state_dict``,
+``_prune_to_checkpoint`` and ``_inspect_checkpoint`` read tables too. The walk:
+``_build_sharded_state_dict``'s map.
 
 Map: ``GroupMetaTable`` (``table[fqn]`` a read-only ``GroupMeta`` mapping of hyperparameters and
 scalar state; ``leaf``/``leaves`` the stored ``(hyperparameters, scalars)`` tuples; each distinct

@@ -20,10 +20,11 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from .._errors import UnsafeCheckpointError
+
 __all__ = [
     "SafeFileSystemReader",
     "SafeLoadPlanner",
-    "UnsafeCheckpointError",
     "raise_unsafe",
     "safe_read_metadata",
 ]
@@ -38,10 +39,6 @@ _ALLOWED: dict[str, set[str] | None] = {
     "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
     "collections": {"OrderedDict"},
 }
-
-
-class UnsafeCheckpointError(pickle.UnpicklingError):
-    """A checkpoint file asked the unpickler for something outside the allow-list."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):

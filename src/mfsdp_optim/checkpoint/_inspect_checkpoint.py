@@ -2,9 +2,9 @@
 
 Map: ``_integrity`` checks the files first (marker sizes and SHA-256, or byte ranges of a plain
 ``dcp.save``); ``_collect`` sorts ``.metadata`` into optimizer params and other entries (a
-model's); ``_read_items`` reads the small non-tensor items through the safe unpickler;
-``_fill`` / ``_groups`` form param groups. No tensor data is read. Formats understood: 3, 2,
-0.1.0's 1, and torch's ``get_optimizer_state_dict`` layout. The command line is ``_cli``.
+model's); ``_read_items`` reads the small non-tensor items through the safe unpickler; ``_fill`` /
+``_groups`` form param groups. No tensor data is read. Formats understood: 3, 2, 0.1.0's 1, and
+torch's ``get_optimizer_state_dict`` layout. The command line over it: ``_cli``.
 """
 
 from __future__ import annotations
@@ -15,20 +15,16 @@ import re
 import warnings
 from typing import Any
 
-from ._integrity import (
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    check_checkpoint,
-    checkpoint_status,
-)
-from ._safe import (
+from ._errors import CorruptCheckpointError, IncompleteCheckpointError
+from ._on_disk._check_checkpoint import check_checkpoint, checkpoint_status
+from ._on_disk._safe import (
     SafeFileSystemReader,
     SafeLoadPlanner,
     raise_unsafe,
     safe_read_metadata,
 )
 
-__all__ = ["inspect_checkpoint", "main"]
+__all__ = ["inspect_checkpoint"]
 
 _KINDS = ("state", "param_to_group_meta", "param_groups")
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
@@ -214,7 +210,7 @@ def _fill(found: dict, wanted: dict[str, tuple], values: dict[str, Any] | None) 
 def _fill_table(entry: dict, value: Any, key: str) -> None:
     """The params of a format-3 table (its tagged tuple, as read) into ``entry``; raises
     CorruptCheckpointError when the item is not a table this package can read."""
-    from ._table import as_table
+    from ._state_dict._table import as_table
 
     try:
         table = as_table(value, key)
@@ -324,10 +320,3 @@ def inspect_checkpoint(
         "optimizers": {k: found[k] for k in sorted(found)},
         "other": others,
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The command line (see ``_cli.main``)."""
-    from ._cli import main as cli_main
-
-    return cli_main(argv)

@@ -9,16 +9,17 @@ docs/checkpoint.md, "The layout".
 The walk: this module is the orchestrator. It calls each stage's one entry once, in this order,
 and each stage returns for good (``tests/checkpoint/test_build_walk.py`` traces it):
 
-1. ``_materialize.first_step_state``: state for a load target (``is_loading``), and the keys a
-   param this rank's optimizer does not hold would get;
+1. ``_materialize_optimizer_state.first_step_state``: state for a load target (``is_loading``), and
+   the keys a param this rank's optimizer does not hold would get;
 2. ``_keyspace.agreed_keyspace``: describe, digest, agree (ONE ``all_reduce``), merge (ONE
    gather, only when the digests differ);
 3. ``_table.GroupMetaTable.from_keyspace``: ``param_to_group_meta`` from the agreed keyspace;
 4. ``_layout.state_dtensors``: the ``"state"`` DTensors.
 
-A stage calls only leaves (``_values``, ``_infra``), never another stage. Imports point one
-way, from a later stage to an earlier one, for types only: ``_layout`` and ``_table`` ->
-``_keyspace`` (``Keyspace``) -> ``_materialize`` (``Signature``); ``_build`` imports all four.
+A stage calls only leaves (``_values``, ``_infra``), never another stage. Imports point one way,
+from a later stage to an earlier one, for types only: ``_layout`` and ``_table`` -> ``_keyspace``
+(``Keyspace``) -> ``_materialize_optimizer_state`` (``Signature``); ``_build_sharded_state_dict``
+imports all four.
 """
 
 from __future__ import annotations
@@ -28,18 +29,15 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .._infra.host import paused_gc
-from .._infra.params import ParamRecord
+from ..._infra.host import paused_gc
+from ..._infra.params import ParamRecord
+from .._errors import KeyspaceError
 from ._keyspace import agreed_keyspace
 from ._layout import state_dtensors
-from ._materialize import first_step_state
+from ._materialize_optimizer_state import first_step_state
 from ._table import GroupMetaTable, OptimizerStateDict
 
-__all__ = ["KeyspaceError", "build_sharded_state_dict"]
-
-
-class KeyspaceError(ValueError):
-    """The ranks' optimizer states cannot be described consistently; raised on every rank."""
+__all__ = ["build_sharded_state_dict"]
 
 
 def _format(errors: list[str], limit: int = 30) -> str:

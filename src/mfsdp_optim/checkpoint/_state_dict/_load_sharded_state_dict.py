@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .._infra.agreement import agree, by_rank
-from .._infra.host import paused_gc
-from .._infra.params import ParamRecord
+from ..._infra.agreement import agree, by_rank
+from ..._infra.host import paused_gc
+from ..._infra.params import ParamRecord
+from .._errors import StateDictMismatchError
 from ._layout import local_shape
 from ._table import as_table, is_table
 from ._values import (
@@ -33,13 +34,9 @@ from ._values import (
     to_plain,
 )
 
-__all__ = ["StateDictMismatchError", "as_format1", "as_format2", "load_sharded_state_dict"]
+__all__ = ["as_format1", "as_format2", "load_sharded_state_dict"]
 
 _TOP_KEYS = {"state", "param_to_group_meta"}
-
-
-class StateDictMismatchError(ValueError):
-    """The state dict does not fit the live optimizer; raised on every rank, nothing changed."""
 
 
 def _scalar_value(fqn: str, item: Any) -> tuple[str, Any]:

@@ -1,7 +1,7 @@
 """State values: how each one is stored, and plain values as checkpoint-safe Python data.
 
 A leaf of the checkpoint layer: it imports nothing else of the package, and the build's stages
-(``_build``'s map) and the load call it freely.
+(``_build_sharded_state_dict``'s map) and the load call it freely.
 
 Map: ``classify`` one optimizer state value of one param as an ``EntryLayout`` of kind
 ``PARAM_SHAPED`` (``"t"``: a DTensor in the param's layout, or a local-shard-shaped tensor that

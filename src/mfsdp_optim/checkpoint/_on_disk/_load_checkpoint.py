@@ -1,27 +1,31 @@
 """``load_checkpoint``, the staged load: the load target checked against the checkpoint, then
 loaded into copies swapped in only once every rank loaded.
 
-Map: ``load_checkpoint`` (the agreement, then ``dcp.load`` into copies, then ``swap_in``);
-``check_chunks`` (the chunks ``.metadata`` lists for each tensor to load tile its global
-shape exactly); ``check_targets`` (every key of the target in the checkpoint's metadata, with
-its global shape and dtype; ``_layout_hint`` for a ``param_to_group_meta`` in another layout);
-``unexpected`` (checkpoint keys the ranks' targets together lack inside a section they load);
-``clone`` (the staging copy DCP loads into) and ``swap_in`` (the copy written into the live
-target, tensors in place, once every rank loaded).
+Map: ``load_checkpoint`` runs its phases in order: ``_check`` (this rank alone: the checkpoint
+whole, the target in its ``.metadata``), ``_agree_to_load`` (the rank agreement), under
+``strict`` ``_refuse_unexpected``, ``_load_and_swap_in`` (``dcp.load`` into copies, every rank
+loaded, ``swap_in``). The checks: ``check_chunks`` (the chunks ``.metadata`` lists for each
+tensor to load tile its global shape exactly); ``check_targets`` (every key of the target in the
+checkpoint's metadata, with its global shape and dtype; ``_layout_hint`` for a
+``param_to_group_meta`` in another layout); ``unexpected`` (checkpoint keys the ranks' targets
+together lack inside a section they load); ``clone`` (the staging copy DCP loads into) and
+``swap_in`` (the copy written into the live target, tensors in place, once every rank loaded).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from .._infra.agreement import Failure, failure_of
-from .._infra.host import paused_gc
+from ..._infra.agreement import Failure
+from ..._infra.attempt import Attempt
+from ..._infra.host import paused_gc
 from . import _async
+from ._check_checkpoint import check_checkpoint, resolve
 from ._consensus import (
     agree_on_directory,
     agreed,
@@ -34,7 +38,6 @@ from ._consensus import (
     sig_digest,
     signatures,
 )
-from ._integrity import check_checkpoint, resolve
 from ._safe import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -183,7 +186,7 @@ def clone(value: Any) -> Any:
     """A staging copy of a load target: containers copied, tensors cloned, the rest shared."""
     from torch.distributed.tensor import DTensor
 
-    from .._infra.placement import copy_in_layout
+    from ..._infra.placement import copy_in_layout
 
     if isinstance(value, DTensor):
         return copy_in_layout(value)
@@ -288,8 +291,41 @@ def load_checkpoint(
     """
     rank, world, _ = dist_info(process_group)
     given = os.path.abspath(os.fspath(directory))
-    err: Failure | None = _async.settle()  # a save in flight: wait; its unreported error
+    attempt = Attempt(_async.settle())  # a save in flight: wait; its unreported error
     path = resolve(given)
+    checked = _check(
+        state_dict, given, path, (rank, world), verify_checksums, require_marker, attempt
+    )
+    sigs = _agree_to_load(attempt, checked, given, path, process_group, world)
+    if strict:  # the same file and the same targets on every rank: the same verdict
+        _refuse_unexpected(checked.ckpt_keys, sigs, path)
+    _load_and_swap_in(state_dict, path, checked.metadata, planner, process_group, in_place)
+    return checked.marker
+
+
+class _Checked(NamedTuple):
+    """What this rank found before the agreement (each field as far as it got)."""
+
+    marker: dict  # the completion marker
+    metadata: Any  # the checkpoint's ``.metadata``, read once
+    sig: dict  # the target's signatures
+    digest: list[int]  # their digest ([] when they could not be computed)
+    ckpt_keys: list[str]  # the checkpoint's keys
+
+
+def _check(
+    state_dict: Mapping[str, Any],
+    given: str,
+    path: str,
+    part: tuple[int, int],
+    verify_checksums: bool,
+    require_marker: bool,
+    attempt: Attempt,
+) -> _Checked:
+    """Phase 1, this rank alone, no collective: the checkpoint proven whole (``check_checkpoint``,
+    the reads split over the ranks by ``part``), its ``.metadata`` read, the target's keys,
+    shapes and dtypes in it, its chunks tiling each target tensor. Every error, found or raised,
+    goes to ``attempt`` (the first one kept), so this rank still enters the agreement."""
     marker: dict = {}
     metadata: Any = None
     sig: dict = {}
@@ -300,31 +336,42 @@ def load_checkpoint(
         sig = signatures(state_dict, values=False)
         digest = sig_digest(sig, given)
         marker = check_checkpoint(
-            given,
-            verify_checksums=verify_checksums,
-            require_marker=require_marker,
-            _part=(rank, world),
+            given, verify_checksums=verify_checksums, require_marker=require_marker, _part=part
         )
         metadata = safe_read_metadata(path)  # once: the checks here and dcp.load's reader
         errors, ckpt_keys = check_targets(path, target_flat, metadata)
         if errors:
-            err = err or Failure("StateDictMismatchError", ("\n  ".join(errors),))
+            attempt.fail(Failure("StateDictMismatchError", ("\n  ".join(errors),)))
         torn = check_chunks(target_flat, metadata)
         if torn:
-            err = err or Failure("CorruptCheckpointError", (f"{path}:", *torn))
+            attempt.fail(Failure("CorruptCheckpointError", (f"{path}:", *torn)))
     except Exception as exc:
-        err = err or failure_of(exc)
-    # the rank agreement: ONE all-reduce of the digests; every rank's findings, signatures and
-    # directory only when some rank found something or the digests differ
-    verdict = agreed(err, process_group, digest=digest or [-1, -1], detail=(sig, given))
+        attempt.fail(exc)
+    return _Checked(marker, metadata, sig, digest, ckpt_keys)
+
+
+def _agree_to_load(
+    attempt: Attempt,
+    checked: _Checked,
+    given: str,
+    path: str,
+    group: dist.ProcessGroup | None,
+    world: int,
+) -> list[dict]:
+    """Phase 2, the rank agreement: ONE all-reduce of the digests; every rank's findings,
+    signatures and directory only when some rank found something or the digests differ. Raises
+    on every rank alike when a rank failed, the directories differ or the targets do not fit
+    together; returns the signatures of every rank's target (this rank's alone when the digests
+    agreed)."""
+    verdict = agreed(attempt, group, digest=checked.digest or [-1, -1], detail=(checked.sig, given))
     if not verdict.same:
         assert verdict.details is not None
         agree_on_directory([d[1] for d in verdict.details], "load from", "nothing was loaded")
     raise_agreed(verdict, f"refusing to load {path} (nothing was loaded)")
-    ranks = group_ranks(process_group, world)
+    ranks = group_ranks(group, world)
     if verdict.same:
-        sigs = [sig]
-        errors = check_uniform(sig, ranks)
+        sigs = [checked.sig]
+        errors = check_uniform(checked.sig, ranks)
     else:
         assert verdict.details is not None
         sigs = [d[0] for d in verdict.details]
@@ -334,30 +381,46 @@ def load_checkpoint(
             {0: Failure("RankDisagreementError", ("\n  ".join(errors[:30]),))},
             f"ranks disagree on the state dict to load from {path} (nothing loaded)",
         )
-    if strict:  # the same file and the same targets on every rank: the same verdict
-        extra = unexpected(ckpt_keys, {k for s in sigs for k in s})
-        if extra:
-            raise_agreed(
-                {
-                    0: Failure(
-                        "StateDictMismatchError",
-                        (
-                            f"the checkpoint holds {len(extra)} key(s) the target lacks, "
-                            f"e.g. {extra[:5]}: it was saved by an optimizer with other options "
-                            "(for example amsgrad=True, loaded into amsgrad=False, which would "
-                            "step without max_exp_avg_sq) or by another model. Build the "
-                            "optimizer and model with the options of the save, or pass "
-                            "strict=False to leave those entries out",
-                        ),
-                    )
-                },
-                f"refusing to load {path} (nothing was loaded)",
-            )
+    return sigs
 
+
+def _refuse_unexpected(ckpt_keys: list[str], sigs: list[dict], path: str) -> None:
+    """``strict=True``: raise on every rank when the checkpoint holds keys the ranks' targets
+    together lack inside a section they load (every rank computes it from the same data)."""
+    extra = unexpected(ckpt_keys, {k for s in sigs for k in s})
+    if extra:
+        raise_agreed(
+            {
+                0: Failure(
+                    "StateDictMismatchError",
+                    (
+                        f"the checkpoint holds {len(extra)} key(s) the target lacks, "
+                        f"e.g. {extra[:5]}: it was saved by an optimizer with other options "
+                        "(for example amsgrad=True, loaded into amsgrad=False, which would "
+                        "step without max_exp_avg_sq) or by another model. Build the "
+                        "optimizer and model with the options of the save, or pass "
+                        "strict=False to leave those entries out",
+                    ),
+                )
+            },
+            f"refusing to load {path} (nothing was loaded)",
+        )
+
+
+def _load_and_swap_in(
+    state_dict: Mapping[str, Any],
+    path: str,
+    metadata: Any,
+    planner: Any,
+    group: dist.ProcessGroup | None,
+    in_place: bool,
+) -> None:
+    """Phase 3: ``dcp.load`` into staging copies (or, ``in_place``, the target itself), ONE
+    all-reduce that every rank loaded, and only then the copies swapped into ``state_dict``."""
     import torch.distributed.checkpoint as dcp
 
     target = state_dict if in_place else clone(state_dict)
-    outcome: Failure | None = None
+    attempt = Attempt()
     try:
         # DCP's default load plan is made by each rank alone (its central step changes
         # nothing); with our planner every rank reads on its own, without DCP's plan gather and
@@ -367,21 +430,24 @@ def load_checkpoint(
             target,
             storage_reader=SafeFileSystemReader(path, metadata=metadata),
             planner=planner if planner is not None else SafeLoadPlanner(),
-            process_group=process_group,
+            process_group=group,
             no_dist=planner is None or type(planner) is SafeLoadPlanner,
         )
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        try:
-            raise_unsafe(exc)
-            outcome = Failure(
-                "RuntimeError", (f"dcp.load failed: {type(exc).__name__}: {str(exc)[:2000]}",)
-            )
-        except UnsafeCheckpointError as unsafe:
-            outcome = failure_of(unsafe)
+        attempt.fail(_load_failure(exc))
     state = "partly loaded (in_place=True)" if in_place else "nothing was loaded"
-    raise_agreed(agreed(outcome, process_group), f"loading {path} failed ({state})")
+    raise_agreed(agreed(attempt, group), f"loading {path} failed ({state})")
     if not in_place:
         swap_in(state_dict, target)
-    return marker
+
+
+def _load_failure(exc: BaseException) -> Failure:
+    """What ``dcp.load``'s ``exc`` is reported as: ``UnsafeCheckpointError`` where the
+    unpickler refused an item, else a ``RuntimeError`` naming it."""
+    try:
+        raise_unsafe(exc)
+    except UnsafeCheckpointError as unsafe:
+        return Failure(type(unsafe).__name__, (str(unsafe),))
+    return Failure("RuntimeError", (f"dcp.load failed: {type(exc).__name__}: {str(exc)[:2000]}",))

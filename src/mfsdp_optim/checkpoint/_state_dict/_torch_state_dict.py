@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ._load import as_format1
+from ._load_sharded_state_dict import as_format1
 from ._table import GroupMetaTable, OptimizerStateDict
 from ._values import EXCLUDED_GROUP_KEYS, dtype_name, to_plain
 

@@ -27,8 +27,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .._infra.agreement import Failure
-from .._infra.comm import group_timeout
+from ..._infra.agreement import Failure
+from ..._infra.comm import group_timeout
 from . import _host_buffers
 
 __all__ = ["PrepareHandle", "SaveHandle", "background_group", "prepare", "settle", "stage", "start"]
@@ -195,7 +195,7 @@ def _collect(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[torch.
     tensors of DTensors) in the order of the leaves."""
     from torch.distributed.tensor import DTensor
 
-    from ._table import GroupMetaTable
+    from .._state_dict._table import GroupMetaTable
 
     sources: list[torch.Tensor] = []
 

@@ -15,14 +15,14 @@ import os
 import re
 import zlib
 
+from .._errors import CorruptCheckpointError, IncompleteCheckpointError
+
 __all__ = [
     "CHECKSUMS_FILE",
     "COMPLETE_MARKER",
     "FORMAT",
     "RESERVED",
     "STAGING_SUFFIX",
-    "CorruptCheckpointError",
-    "IncompleteCheckpointError",
     "check_checkpoint",
     "checkpoint_status",
     "checksum_items",
@@ -36,14 +36,6 @@ COMPLETE_MARKER = "mfsdp_complete.json"
 CHECKSUMS_FILE = "mfsdp_checksums.json"
 FORMAT = "mfsdp_optim.checkpoint/1"
 _CHUNK = 1 << 22
-
-
-class IncompleteCheckpointError(RuntimeError):
-    """The checkpoint's save never finished (a rank died, or it is still being written)."""
-
-
-class CorruptCheckpointError(ValueError):
-    """The checkpoint is complete but its files are damaged, missing or from another save."""
 
 
 RESERVED = re.compile(re.escape(STAGING_SUFFIX) + r"$|\.old-[0-9a-f]{8}$")

@@ -1,11 +1,11 @@
 """What every rank is about to save or load, agreed before DCP runs (``_infra.agreement``).
 
-Map: ``RankDisagreementError``; ``dist_info`` / ``group_ranks``; ``agreed`` and ``gather`` (the
+Map: ``dist_info`` / ``group_ranks``; ``agreed`` and ``gather`` (the
 protocol and an object gather, a failed collective named as such); ``raise_agreed`` (one error
 on every rank, its class looked up in ``KINDS``); ``signatures`` of a state dict's flat keys and
 their ``sig_digest`` (what the one all-reduce compares); ``check_agreement`` (every rank's
 signatures, exchanged when the digests differ) or ``check_uniform`` (the digests agreed);
-``agree_on_directory``.
+``agree_on_directory``; ``unwrap_stateful`` the state dict as ``dcp.save`` saves it.
 """
 
 from __future__ import annotations
@@ -17,16 +17,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._infra import agreement
-from .._infra.agreement import Failure, Verdict
-from .._infra.comm import all_gather_objects
-from ._integrity import CorruptCheckpointError, IncompleteCheckpointError
-from ._load import StateDictMismatchError
-from ._safe import UnsafeCheckpointError
+from ..._infra import agreement
+from ..._infra.agreement import Failure, Verdict
+from ..._infra.attempt import Attempt
+from ..._infra.comm import all_gather_objects
+from .._errors import (
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    RankDisagreementError,
+    StateDictMismatchError,
+    UnsafeCheckpointError,
+)
 
 __all__ = [
     "KINDS",
-    "RankDisagreementError",
     "agree_on_directory",
     "agreed",
     "collective_failed",
@@ -39,11 +43,8 @@ __all__ = [
     "raise_agreed",
     "sig_digest",
     "signatures",
+    "unwrap_stateful",
 ]
-
-
-class RankDisagreementError(agreement.RankMismatchError):
-    """Ranks called a checkpoint collective with different state dicts; raised on every rank."""
 
 
 def dist_info(group) -> tuple[int, int, bool]:
@@ -67,10 +68,13 @@ def collective_failed(exc: BaseException) -> RuntimeError:
     )
 
 
-def agreed(outcome: Failure | None, group, **kwargs: Any) -> Verdict:
-    """``agreement.agree`` (its collectives, with a failed one named as such)."""
+def agreed(outcome: Attempt | Failure | None, group, **kwargs: Any) -> Verdict:
+    """Every rank's outcome agreed: ``Attempt.verdict`` of this rank's ``Attempt`` (or of a
+    ``Failure``, None for none) over ``group`` (``agreement.agree``, its ``digest`` and ``detail``
+    in ``kwargs``), with a failed collective named as such."""
+    attempt = outcome if isinstance(outcome, Attempt) else Attempt(outcome)
     try:
-        return agreement.agree(outcome, group, **kwargs)
+        return attempt.verdict(group, **kwargs)
     except RuntimeError as exc:
         raise collective_failed(exc) from exc
 
@@ -103,6 +107,14 @@ def raise_agreed(verdict: Verdict | Mapping[int, Failure], what: str) -> None:
     the same verdict, or computed the same failures from the same data)."""
     failures = verdict.failures if isinstance(verdict, Verdict) else verdict
     agreement.raise_one(failures, what, KINDS)
+
+
+def unwrap_stateful(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with every ``Stateful`` value replaced by its ``state_dict()`` (what
+    ``dcp.save`` saves of it), before the ranks agree on what they save."""
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
 
 
 def flat(state_dict: Mapping) -> dict[str, Any]:

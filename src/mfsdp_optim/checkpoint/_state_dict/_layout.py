@@ -7,7 +7,8 @@ slot's ``EntryLayout`` (what a slot's kind means: ``_values``). ``local_shape`` 
 shape.
 
 Imports: the leaves ``_values`` and ``_infra.placement``; ``_keyspace``'s ``Keyspace`` for types
-only. Nothing of the build's other stages is called from here (the walk: ``_build``'s map).
+only. Nothing of the build's other stages is called from here (the walk:
+``_build_sharded_state_dict``'s map).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from .._infra.params import ParamRecord
-from .._infra.placement import in_layout_of
+from ..._infra.params import ParamRecord
+from ..._infra.placement import in_layout_of
 from ._values import OWN_LAYOUT, PARAM_SHAPED, SCALAR, EntryLayout, dtype_from_name
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ docs/internals.md, "Inside the checkpoint layer". ``scratch_copy`` the shallow c
 scratch step here uses.
 
 Imports: the leaves ``_values`` and ``_infra``; no other stage of the build (the walk:
-``_build``'s map).
+``_build_sharded_state_dict``'s map).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from .._infra.group_lists import aligned_lists
-from .._infra.params import ParamRecord
-from .._infra.placement import as_stock_value, in_layout_of
+from ..._infra.group_lists import aligned_lists
+from ..._infra.params import ParamRecord
+from ..._infra.placement import as_stock_value, in_layout_of
 from ._values import dtype_name
 
 __all__ = [
@@ -269,48 +269,90 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     missing_ids = {id(p) for p in missing}
     versions = [(p, p._version) for g in optimizer.param_groups for p in g["params"]]
     before = _snapshot(optimizer)
-
     beside = aligned_lists(optimizer)
-    origin: dict[int, torch.Tensor] = {}
-    clones: list[torch.Tensor] = []
-    picks: list[list[tuple[int, torch.Tensor]]] = []
     with torch.no_grad():
-        for g in optimizer.param_groups:
-            picked = []
-            for j, p in enumerate(g["params"]):
-                if id(p) not in missing_ids:
-                    continue
-                c = torch.zeros_like(_local(p))
-                origin[id(c)] = p
-                clones.append(c)
-                picked.append((j, c))
-            picks.append(picked)
-        try:
-            scratch, groups = _scratch_step(optimizer, beside, picks)
-        except RuntimeError:
-            if not all(isinstance(p, DTensor) for p in missing):
-                raise
-            # e.g. Adafactor divides by the numel of an empty local shard: try whole params
-            scratch = None
-            groups = [
-                dict(g) for g, picked in zip(optimizer.param_groups, picks, strict=True) if picked
-            ]
-    whole: list[DTensor] = [p for p in missing if scratch is None]
-    local_state = scratch.state if scratch is not None else {}
-    for c in clones:
-        new = local_state.get(c)
+        clones, picks = _zero_clones(optimizer, missing_ids)
+        scratch, groups = _step_scratch(optimizer, beside, picks, missing)
+    whole = _hand_over(optimizer, scratch, clones, missing)
+    if whole:
+        _materialize_whole(optimizer, beside, whole)
+    _zero_group_steps(optimizer, missing_ids, groups, before)
+    _check_untouched(optimizer, versions, before)
+
+
+def _zero_clones(
+    optimizer: torch.optim.Optimizer, missing_ids: set[int]
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[list[tuple[int, torch.Tensor]]]]:
+    """A zero clone of each state-less param's local tensor: the (clone, param) pairs in order,
+    and per group the (position, clone) pairs the scratch step steps."""
+    clones: list[tuple[torch.Tensor, torch.Tensor]] = []
+    picks: list[list[tuple[int, torch.Tensor]]] = []
+    for g in optimizer.param_groups:
+        picked = []
+        for j, p in enumerate(g["params"]):
+            if id(p) not in missing_ids:
+                continue
+            c = torch.zeros_like(_local(p))
+            clones.append((c, p))
+            picked.append((j, c))
+        picks.append(picked)
+    return clones, picks
+
+
+def _step_scratch(
+    optimizer: torch.optim.Optimizer,
+    beside: list[tuple[str, list[list]]],
+    picks: list[list[tuple[int, torch.Tensor]]],
+    missing: list[torch.Tensor],
+) -> tuple[torch.optim.Optimizer | None, list[dict]]:
+    """The scratch copy after its one step over the clones, and its groups; None (with copies
+    of the live groups that have clones) where that local step failed on DTensor params (e.g.
+    Adafactor divides by the numel of an empty local shard): they step whole params instead."""
+    try:
+        return _scratch_step(optimizer, beside, picks)
+    except RuntimeError:
+        if not all(isinstance(p, DTensor) for p in missing):
+            raise
+        groups = [
+            dict(g) for g, picked in zip(optimizer.param_groups, picks, strict=True) if picked
+        ]
+        return None, groups
+
+
+def _hand_over(
+    optimizer: torch.optim.Optimizer,
+    scratch: torch.optim.Optimizer | None,
+    clones: list[tuple[torch.Tensor, torch.Tensor]],
+    missing: list[torch.Tensor],
+) -> list[DTensor]:
+    """The scratch step's state handed to the live optimizer (``step`` reset to 0, the rest in
+    the param's stock layout); returns the DTensor params that need a whole-param step instead
+    (every one where the scratch step failed, or whose new state reads the whole param)."""
+    if scratch is None:
+        return [p for p in missing if isinstance(p, DTensor)]  # all are: _step_scratch checked
+    whole: list[DTensor] = []
+    for c, p in clones:
+        new = scratch.state.get(c)
         if not new:
             continue  # this optimizer keeps no state for it (SGD without momentum)
-        p = origin[id(c)]
         if isinstance(p, DTensor) and _reads_whole(new, c):
             whole.append(p)
             continue
         optimizer.state[p] = {
             k: (_zero_step(v) if k == "step" else _as_stock(k, v, p, c)) for k, v in new.items()
         }
-    if whole:
-        _materialize_whole(optimizer, beside, whole)
-    # group-level step (apex / TE FusedAdam keep ``step`` in the group): materialise it as 0
+    return whole
+
+
+def _zero_group_steps(
+    optimizer: torch.optim.Optimizer,
+    missing_ids: set[int],
+    groups: list[dict],
+    before: list[dict],
+) -> None:
+    """A group-level ``step`` (apex / TE FusedAdam keep it in the group) the scratch step
+    created, materialised as 0 in the live groups that had state-less params (and in
+    ``before``, so the check after does not count it as a change)."""
     touched = [
         gi
         for gi, g in enumerate(optimizer.param_groups)
@@ -325,6 +367,11 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             )
             before[gi]["step"] = live["step"]
 
+
+def _check_untouched(
+    optimizer: torch.optim.Optimizer, versions: list[tuple[torch.Tensor, int]], before: list[dict]
+) -> None:
+    """Raise when a live param's version counter moved or a hyperparameter changed (a bug)."""
     moved = [p for p, v in versions if p._version != v]
     after = _snapshot(optimizer)
     changed = [

@@ -1,19 +1,16 @@
-"""``save_checkpoint``: publish a checkpoint only when every rank finished (``load_checkpoint``,
-which refuses incomplete, damaged or foreign ones before a byte reaches the live state, is in
-``_staged`` and re-exported here).
+"""``save_checkpoint``: publish a checkpoint only when every rank finished.
 
-Map: ``_consensus`` agrees on what every rank saves or loads (ONE all-reduce of a digest; the
-detail only when it differs or a rank failed); ``_write`` writes each rank's files with DCP's
-planner and writer, without ``dcp.save``'s collectives (the agreement fixed who writes what),
-and rank 0 DCP's ``.metadata`` from the reports; ``_publish`` stages and publishes atomically;
-``_integrity`` checks completeness and checksums; ``_async`` stages and writes in the background.
-Collectives of ``save_checkpoint``: that all-reduce, one object gather (every rank's writes and
-checksums, rank 0's save id), one all-reduce (the publish verdict); the asynchronous save blocks
-for the copy and one all-reduce (every rank staged) and runs the other three on its own gloo
-group, on the copy. Of
-``load_checkpoint``: that all-reduce, one all-reduce (every rank loaded); DCP's load runs
-without collectives.
-The on-disk layout and its guarantees: docs/reliability.md.
+Map: ``save_checkpoint`` runs its phases in order: ``_make_staging`` (the name checked, rank 0's
+staging directory), then ``_write_and_finish`` on the caller's thread or, ``asynchronous=True``,
+``_save_async`` (the copy, ONE all-reduce that every rank staged) and ``_write_and_finish`` on
+the background thread, on the copy, on a gloo group of its own. ``_write_and_finish``:
+``_agree_on_content`` (ONE all-reduce of a digest of what each rank saves; the detail only when
+it differs or a rank failed) and ``_who_writes``, ``write_files`` (``_write``), then ``_finish``:
+``_report`` (this rank's checksums), ``_gather_reports`` (one object gather), ``_check_reports``
+and one all-reduce (every write succeeded), ``_publish_and_agree`` (rank 0's ``_publish``, one
+all-reduce of its verdict). Each phase keeps this rank's failure in an ``Attempt`` instead of
+raising, so every rank enters every collective. The on-disk layout and its guarantees:
+docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -30,12 +27,19 @@ from typing import Any, NamedTuple
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 
-from .._infra.agreement import Failure, Verdict, failure_of
-from .._infra.host import paused_gc
+from ..._infra.agreement import Failure, Verdict
+from ..._infra.attempt import Attempt
+from ..._infra.host import paused_gc
+from .._errors import RankDisagreementError
 from . import _async
-from ._async import PrepareHandle
+from ._check_checkpoint import (
+    COMPLETE_MARKER,
+    STAGING_SUFFIX,
+    checkpoint_status,
+    checksum_items,
+    item_record,
+)
 from ._consensus import (
-    RankDisagreementError,
     agree_on_directory,
     agreed,
     check_agreement,
@@ -47,35 +51,12 @@ from ._consensus import (
     raise_agreed,
     sig_digest,
     signatures,
-)
-from ._integrity import (
-    CHECKSUMS_FILE,
-    COMPLETE_MARKER,
-    STAGING_SUFFIX,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    check_checkpoint,
-    checkpoint_status,
-    checksum_items,
-    item_record,
+    unwrap_stateful,
 )
 from ._publish import check_name, publish
-from ._staged import load_checkpoint
 from ._write import Written, plain_writers, write_files, write_metadata
 
-__all__ = [
-    "CHECKSUMS_FILE",
-    "COMPLETE_MARKER",
-    "STAGING_SUFFIX",
-    "CorruptCheckpointError",
-    "IncompleteCheckpointError",
-    "RankDisagreementError",
-    "check_checkpoint",
-    "checkpoint_status",
-    "load_checkpoint",
-    "prepare_async_save",
-    "save_checkpoint",
-]
+__all__ = ["save_checkpoint"]
 
 
 @paused_gc()
@@ -156,12 +137,55 @@ def save_checkpoint(
     t0 = time.perf_counter()
     rank, world, distributed = dist_info(process_group)
     final = os.path.abspath(os.fspath(directory))
+    attempt = Attempt(_async.settle())  # a save in flight: wait; its unreported error
+    created = _make_staging(final, rank, overwrite, attempt)
+    try:  # on every rank, whatever failed: a Stateful's state_dict() may run collectives
+        state_dict = unwrap_stateful(state_dict)
+    except Exception as exc:  # never leave the others waiting in the collective
+        attempt.fail(exc)
+    ranks = group_ranks(process_group, world)
+    me = dist.get_rank() if distributed else 0  # the global rank names this rank's files
+    job = _Job(
+        final,
+        final + STAGING_SUFFIX,
+        rank,
+        world,
+        ranks,
+        me,
+        created,
+        checksums,
+        overwrite,
+        metadata,
+    )
+    writer = writer_cls(job.staging, thread_count=thread_count)
+    if not asynchronous:
+        return _write_and_finish(job, writer, state_dict, process_group, attempt.failure)
+    return _save_async(job, writer, state_dict, process_group, attempt, distributed, t0)
+
+
+class _Job(NamedTuple):
+    """What the write and the publish of one save need, fixed before DCP runs."""
+
+    final: str
+    staging: str
+    rank: int
+    world: int
+    ranks: list[int]  # the saving group's global ranks
+    me: int  # this rank's global rank (it names this rank's files)
+    created: bool  # rank 0 made the staging directory (removed when the agreement fails)
+    checksums: bool
+    overwrite: bool
+    metadata: Mapping[str, Any] | None
+
+
+def _make_staging(final: str, rank: int, overwrite: bool, attempt: Attempt) -> bool:
+    """Phase 1: the name checked on every rank; on rank 0 (unless ``attempt`` failed already)
+    ``final`` refused where it exists and ``overwrite`` is False, a stale staging directory
+    deleted and a fresh one made. Returns whether it was made; an error goes to ``attempt``."""
     staging = final + STAGING_SUFFIX
-    prep: Failure | None = _async.settle()  # a save in flight: wait; its unreported error
-    created = False
     try:
         check_name(final)
-        if rank == 0 and prep is None:
+        if rank == 0 and attempt.ok:
             if os.path.exists(final) and not overwrite:
                 raise FileExistsError(f"{final} already exists; pass overwrite=True to replace it")
             if os.path.exists(final) and not os.path.isdir(final):
@@ -171,96 +195,67 @@ def save_checkpoint(
             if os.path.exists(staging):
                 shutil.rmtree(staging)  # what a crashed earlier save left behind
             os.makedirs(staging)
-            created = True
+            return True
     except (OSError, ValueError) as exc:
-        prep = prep or failure_of(exc)
+        attempt.fail(exc)
+    return False
+
+
+def _write_and_finish(
+    job: _Job,
+    writer: Any,
+    state_dict: Mapping[str, Any],
+    group: dist.ProcessGroup | None,
+    failed: Failure | None,
+) -> str:
+    """Phase 2, on the caller's thread (``group`` the caller's) or the background one (its own
+    group, ``state_dict`` the copy): what is saved agreed before any write, this rank's files
+    written, then ``_finish``."""
     try:
-        state_dict = _unwrap_stateful(state_dict)
-    except Exception as exc:  # never leave the others waiting in the collective
-        prep = prep or failure_of(exc)
-    ranks = group_ranks(process_group, world)
-    job = _Job(final, staging, rank, world, checksums, overwrite, metadata)
-    writer = writer_cls(staging, thread_count=thread_count)
-    me = dist.get_rank() if distributed else 0  # the global rank names this rank's files
-
-    def write_and_finish(
-        sd: Mapping[str, Any], on: dist.ProcessGroup | None, failed: Failure | None
-    ) -> str:
-        # what is saved, agreed (on the caller's group, or the background's) before any write
-        try:
-            verdict, sig = _agree_on_content(sd, final, failed, on, ranks)
-            plain, err = _who_writes(verdict, sig, final, ranks)
-        except BaseException:  # raised on every rank alike: the agreement's verdict
-            if created:  # rank 0's empty staging directory: leave nothing behind
-                shutil.rmtree(staging, ignore_errors=True)
-            raise
-        t_write = time.perf_counter()
-        written: Written | None = None
-        try:
-            if err is None:
-                written = write_files(
-                    sd, writer, rank, me, frozenset(ranks), plain, not verdict.same
-                )
-        except Exception as exc:  # reported in the gather: nobody is left waiting
-            err = exc
-        return _finish(job, writer, written, err, on, time.perf_counter() - t_write)
-
-    if not asynchronous:
-        return write_and_finish(state_dict, process_group, prep)
-
-    # asynchronous: the copy first, then ONE all-reduce (every rank staged, the directory is
-    # ready, no unreported failure) before returning; what is saved is agreed in the
-    # background, on the copy, so the caller waits for the copy and one collective only
-    staged: dict[str, Any] = {}
-    if prep is None:
-        try:
-            staged = _async.stage(state_dict)
-        except Exception as exc:
-            prep = failure_of(exc)
+        verdict, sig = _agree_on_content(state_dict, job.final, failed, group, job.ranks)
+        plain, err = _who_writes(verdict, sig, job.final, job.ranks)
+    except BaseException:  # raised on every rank alike: the agreement's verdict
+        if job.created:  # rank 0's empty staging directory: leave nothing behind
+            shutil.rmtree(job.staging, ignore_errors=True)
+        raise
+    t_write = time.perf_counter()
+    written: Written | None = None
     try:
-        raise_agreed(agreed(prep, process_group), f"cannot save the checkpoint {final}")
+        if err is None:
+            members = frozenset(job.ranks)
+            written = write_files(
+                state_dict, writer, job.rank, job.me, members, plain, not verdict.same
+            )
+    except Exception as exc:  # reported in the gather: nobody is left waiting
+        err = exc
+    return _finish(job, writer, written, err, group, time.perf_counter() - t_write)
+
+
+def _save_async(
+    job: _Job,
+    writer: Any,
+    state_dict: Mapping[str, Any],
+    process_group: dist.ProcessGroup | None,
+    attempt: Attempt,
+    distributed: bool,
+    t0: float,
+) -> _async.SaveHandle:
+    """Phase 2 of ``asynchronous=True``: the copy first, then ONE all-reduce (every rank staged,
+    the directory is ready, no unreported failure) before returning; what is saved is agreed in
+    the background, on the copy, so the caller waits for the copy and one collective only."""
+    staged: dict[str, Any] = attempt.run(_async.stage, state_dict, default={})
+    try:
+        raise_agreed(agreed(attempt, process_group), f"cannot save the checkpoint {job.final}")
         # the background's collectives on a gloo group of their own (none in one process)
         try:  # a collective setup: a peer that died meanwhile fails it on this rank
-            group = _async.background_group(process_group, ranks) if distributed else None
+            group = _async.background_group(process_group, job.ranks) if distributed else None
         except RuntimeError as exc:
             raise collective_failed(exc) from exc
     except BaseException:
-        if created:
-            shutil.rmtree(staging, ignore_errors=True)
+        if job.created:
+            shutil.rmtree(job.staging, ignore_errors=True)
         raise
-    return _async.start(final, lambda: write_and_finish(staged, group, None), t0)
-
-
-def prepare_async_save(state_dict: Mapping[str, Any], *, background: bool = True) -> PrepareHandle:
-    """Make the host memory an asynchronous save of ``state_dict`` copies into, ahead of it.
-
-    ``save_checkpoint(..., asynchronous=True)`` copies the state into host buffers it keeps
-    for the next save (page-locked where the state is on CUDA, exactly the state's size). The
-    first save would make them inside the call; page-locking gigabytes takes seconds there,
-    against a fraction of a second for the copy. Call this once, at a point outside training's
-    critical path (after the first optimizer step, when the state exists), with the state dict
-    the saves will pass: with ``background=True`` (the default) it returns at once and the
-    buffers are made on a background thread while training goes on, so the first asynchronous
-    save blocks only for its copy, as the later ones do.
-
-    It holds one copy of the state's tensors in host memory, the one every later save reuses
-    (no more than the saves alone hold); a save whose tensors differ in size makes its buffers
-    again, dropping these first. A save in flight is waited for before its buffers are
-    touched; a save that starts before the buffers are made waits for them. Nothing is written
-    or copied, no collective runs: each rank may call it at any point (or not at all).
-
-    Args:
-        state_dict: This rank's state dict as the saves will pass it, for example
-            ``{"optimizer": opt.sharded_state_dict()}``; only the dtypes, devices and shapes
-            of its tensors are read.
-        background: Make the buffers on a background thread (return at once), or before
-            returning.
-
-    Returns:
-        A ``PrepareHandle``: ``wait()`` blocks until the buffers are made (and raises if
-        making them failed: the next save then makes them itself), ``done()``, ``nbytes``.
-    """
-    return _async.prepare(_unwrap_stateful(state_dict), background)
+    return _async.start(job.final, lambda: _write_and_finish(job, writer, staged, group, None), t0)
 
 
 def _agree_on_content(
@@ -274,14 +269,16 @@ def _agree_on_content(
     all-reduce of a digest of the signatures; every rank's signatures and directory only when
     the digests differ or some rank failed (``failure``, or here). Raises on every rank, nothing
     written, when some rank failed."""
+    attempt = Attempt(failure)
     sig: dict[str, tuple] = {}
     digest: list[int] = []
-    try:
+    try:  # whatever failed before: the digest is what every rank compares
         sig = signatures(state_dict, values=True)
         digest = sig_digest(sig, final)
     except Exception as exc:  # never leave the others waiting in the collective
-        sig, digest, failure = {}, [], failure or failure_of(exc)
-    verdict = agreed(failure, group, digest=digest or [-1, -1], detail=(sig, final))
+        sig, digest = {}, []
+        attempt.fail(exc)
+    verdict = agreed(attempt, group, digest=digest or [-1, -1], detail=(sig, final))
     raise_agreed(verdict, f"cannot save the checkpoint {final}")
     return verdict, sig
 
@@ -319,26 +316,6 @@ def _who_writes(
     return plain, None
 
 
-def _unwrap_stateful(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """``state_dict`` with every ``Stateful`` value replaced by its ``state_dict()`` (what
-    ``dcp.save`` saves of it), before the ranks agree on what they save."""
-    from torch.distributed.checkpoint.stateful import Stateful
-
-    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
-
-
-class _Job(NamedTuple):
-    """What the write and the publish of one save need, fixed before DCP runs."""
-
-    final: str
-    staging: str
-    rank: int
-    world: int
-    checksums: bool
-    overwrite: bool
-    metadata: Mapping[str, Any] | None
-
-
 def _finish(
     job: _Job,
     writer: Any,
@@ -347,16 +324,40 @@ def _finish(
     group: dist.ProcessGroup | None,
     t_save: float,
 ) -> str:
-    """After this rank wrote its files (``written``; ``err``: why it could not): the checksums,
-    one object gather of every rank's report (rank 0 adds the save's id), one all-reduce
-    (every rank read the reports and every write succeeded), rank 0's ``.metadata`` and
-    publish, one all-reduce of its verdict. Runs on the caller's thread (synchronous) or the
-    background one (on its own group). Every rank issues every collective: an error of this
-    rank's before, between or after them rides in the next one, so no rank is left waiting and
-    nothing is published unless every rank got through the gather."""
-    final, staging = job.final, job.staging
+    """After this rank wrote its files (``written``; ``err``: why it could not): ``_report``
+    (the checksums), ``_gather_reports`` (one object gather of every rank's report, rank 0's
+    with the save's id), one all-reduce (every rank read the reports and every write
+    succeeded), ``_publish_and_agree`` (rank 0's ``.metadata`` and publish, one all-reduce of
+    its verdict). Runs on the caller's thread (synchronous) or the background one (on its own
+    group). Every rank issues every collective: an error of this rank's before, between or
+    after them rides in the next one, so no rank is left waiting and nothing is published
+    unless every rank got through the gather."""
     t0 = time.perf_counter()
     save_id = uuid.uuid4().hex if job.rank == 0 else None
+    payload = _report(job, written, err, save_id)
+    t_crc = time.perf_counter() - t0
+    attempt = Attempt()
+    raw = _gather_reports(job.final, payload, group, attempt)
+    # every rank reads the reports; rank 0 refuses a failed write: ONE all-reduce says whether
+    # the publish goes ahead (any rank's error here, or in a report, stops it everywhere)
+    reports: list[tuple] = attempt.run(_check_reports, job, raw, default=[])
+    raise_agreed(
+        agreed(attempt, group),
+        f"could not publish the checkpoint {job.final}. Nothing was published: the previous "
+        f"checkpoint is untouched and this save's files are in {job.staging}",
+    )
+    save_id = reports[0][2]  # every rank now knows the id the marker will carry
+    timings = {"dcp_save_s": t_save, "checksum_s": t_crc}
+    _publish_and_agree(job, writer, reports, group, save_id, timings)
+    return job.final
+
+
+def _report(
+    job: _Job, written: Written | None, err: BaseException | None, save_id: str | None
+) -> bytes:
+    """This rank's report, pickled: ``(checksum rows, error, save id, Written)``; a failure
+    (``err``, or one here) rides in it as ``(stage, type, message)``, so the gather is entered
+    by every rank."""
     stage = "write"
     try:
         if err is not None:
@@ -364,17 +365,26 @@ def _finish(
         assert written is not None
         stage = "checksum"
         mine = [item_record(fqn, off, info) for fqn, off, _, info, _ in written.items]
-        report = (checksum_items(staging, mine) if job.checksums else mine, None, save_id, written)
+        report = (
+            checksum_items(job.staging, mine) if job.checksums else mine,
+            None,
+            save_id,
+            written,
+        )
         stage = "report"
-        payload = pickle.dumps(report, protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps(report, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:  # still reported: the gather is entered by every rank
         failed_report: tuple = ([], (stage, type(exc).__name__, str(exc)[:2000]), save_id, None)
-        payload = pickle.dumps(failed_report, protocol=pickle.HIGHEST_PROTOCOL)
-    t_crc = time.perf_counter() - t0
-    raw: list[bytes] | None = None
-    local: Failure | None = None
+        return pickle.dumps(failed_report, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _gather_reports(
+    final: str, payload: bytes, group: dist.ProcessGroup | None, attempt: Attempt
+) -> list[bytes] | None:
+    """Every rank's report (one object gather). A failed collective raises, saying what is on
+    disk; an error reading what this rank received goes to ``attempt`` (None returned)."""
     try:
-        raw = gather(payload, group)
+        return gather(payload, group)
     except RuntimeError as exc:  # a rank died, was killed or stopped before it reported
         cause = exc.__cause__ or exc
         raise RuntimeError(
@@ -383,59 +393,70 @@ def _finish(
             f"{_on_disk(final, None)} Cause: {type(cause).__name__}: {str(cause)[:1000]}"
         ) from exc
     except Exception as exc:  # not the collective's (gloo raises RuntimeError): this rank's
-        local = failure_of(exc)  # reading of what it received; every rank got its bytes
-    # every rank reads the reports; rank 0 refuses a failed write: ONE all-reduce says whether
-    # the publish goes ahead (any rank's error here, or in a report, stops it everywhere)
-    reports: list[tuple] = []
-    try:
-        if raw is not None:
-            reports = _read_reports(raw, job.world)
-        failed = [r for r, rep in enumerate(reports) if rep[1] is not None]
-        if failed and job.rank == 0:
-            raise RuntimeError(
-                f"writing the checkpoint {final} failed on ranks {failed}: "
-                + "; ".join(
-                    f"rank {r} ({reports[r][1][0]}): {reports[r][1][1]}: {reports[r][1][2]}"
-                    for r in failed
-                )
-            )
-    except Exception as exc:
-        local = failure_of(exc)
-    raise_agreed(
-        agreed(local, group),
-        f"could not publish the checkpoint {final}. Nothing was published: the previous "
-        f"checkpoint is untouched and this save's files are in {staging}",
-    )
-    save_id = reports[0][2]  # every rank now knows the id the marker will carry
+        attempt.fail(exc)  # reading of what it received; every rank got its bytes
+        return None
 
-    outcome: Failure | None = None
-    if job.rank == 0:
-        try:
-            write_metadata(writer, [rep[3] for rep in reports])
-            publish(
-                staging,
-                final,
-                [(rep[0], None) for rep in reports],
-                job.checksums,
-                job.overwrite,
-                job.world,
-                job.metadata,
-                {"dcp_save_s": t_save, "checksum_s": t_crc},
-                save_id=save_id,
+
+def _check_reports(job: _Job, raw: list[bytes] | None) -> list[tuple]:
+    """Every rank's report read from the gathered ``raw``; rank 0 raises when a rank's write
+    failed (the others learn it from the all-reduce that follows)."""
+    if raw is None:
+        return []
+    reports = _read_reports(raw, job.world)
+    failed = [r for r, rep in enumerate(reports) if rep[1] is not None]
+    if failed and job.rank == 0:
+        raise RuntimeError(
+            f"writing the checkpoint {job.final} failed on ranks {failed}: "
+            + "; ".join(
+                f"rank {r} ({reports[r][1][0]}): {reports[r][1][1]}: {reports[r][1][2]}"
+                for r in failed
             )
-        except Exception as exc:
-            outcome = failure_of(exc)
+        )
+    return reports
+
+
+def _publish_and_agree(
+    job: _Job,
+    writer: Any,
+    reports: list[tuple],
+    group: dist.ProcessGroup | None,
+    save_id: str,
+    timings: dict[str, float],
+) -> None:
+    """Rank 0 writes DCP's ``.metadata`` from every rank's ``Written`` and publishes; ONE
+    all-reduce of its verdict, raised on every rank alike (a failed collective says what is on
+    disk)."""
+    attempt = Attempt()
+    if job.rank == 0:
+        attempt.run(_publish, job, writer, reports, timings, save_id)
     try:
-        verdict = agreed(outcome, group)
+        verdict = agreed(attempt, group)
     except RuntimeError as exc:  # a rank died after the gather: say what is on disk
         cause = exc.__cause__ or exc
         raise RuntimeError(
-            f"the ranks' last agreement on the checkpoint {final} failed: a rank died, was "
+            f"the ranks' last agreement on the checkpoint {job.final} failed: a rank died, was "
             f"killed or stopped after every rank had written its files. "
-            f"{_on_disk(final, save_id)} Cause: {type(cause).__name__}: {str(cause)[:1000]}"
+            f"{_on_disk(job.final, save_id)} Cause: {type(cause).__name__}: {str(cause)[:1000]}"
         ) from exc
-    raise_agreed(verdict, f"could not publish the checkpoint {final}")
-    return final
+    raise_agreed(verdict, f"could not publish the checkpoint {job.final}")
+
+
+def _publish(
+    job: _Job, writer: Any, reports: list[tuple], timings: dict[str, float], save_id: str
+) -> None:
+    """Rank 0: DCP's ``.metadata``, then the checksums, the marker and the atomic publish."""
+    write_metadata(writer, [rep[3] for rep in reports])
+    publish(
+        job.staging,
+        job.final,
+        [(rep[0], None) for rep in reports],
+        job.checksums,
+        job.overwrite,
+        job.world,
+        job.metadata,
+        timings,
+        save_id=save_id,
+    )
 
 
 def _read_reports(raw: list[bytes], world: int) -> list[tuple]:

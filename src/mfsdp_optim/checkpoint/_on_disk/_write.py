@@ -110,8 +110,6 @@ def write_files(
     global rank, ``members`` the group's global ranks."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.filesystem import _StoragePrefix
-    from torch.distributed.checkpoint.planner import WriteItemType
-    from torch.distributed.tensor import DTensor
 
     planner = DefaultSavePlanner()
     planner.set_up_planner(dict(state_dict), writer.storage_meta(), rank == 0)
@@ -120,10 +118,29 @@ def write_files(
     else:
         writer.set_up_storage_writer(rank == 0)
     plan = writer.prepare_local_plan(planner.create_local_plan())
-    flat = planner.state_dict
+    keep = _mine(plan.items, planner.state_dict, rank, global_rank, members, plain)
+    plan = dataclasses.replace(plan, items=keep, storage_data=_StoragePrefix(f"__{rank}_"))
+    plan = planner.finish_plan(plan)
+    results = writer.write_data(plan, planner).wait()
+    return _written(plan.items, results, planner.mappings, rank, send_mappings)
+
+
+def _mine(
+    items: list,
+    flat: Mapping[str, Any],
+    rank: int,
+    global_rank: int,
+    members: frozenset[int],
+    plain: Mapping[str, int],
+) -> list:
+    """The write items of the local plan this rank writes: a DTensor chunk held by several
+    ranks by the one its key picks, a plain item by ``plain[key]``."""
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.tensor import DTensor
+
     decided: dict[tuple, list[int]] = {}
     keep = []
-    for item in plan.items:
+    for item in items:
         fqn = item.index.fqn
         if item.type == WriteItemType.SHARD:
             value = flat[fqn]
@@ -140,17 +157,22 @@ def write_files(
             raise RuntimeError(f"{fqn!r}: no rank was chosen to write this item (a bug)")
         elif plain[fqn] == rank:
             keep.append(item)
-    plan = dataclasses.replace(plan, items=keep, storage_data=_StoragePrefix(f"__{rank}_"))
-    plan = planner.finish_plan(plan)
-    results = writer.write_data(plan, planner).wait()
+    return keep
 
-    # in the plan's order (the state dict's), not the writer's: FileSystemWriter reports its
-    # results sorted by size where CUDA is available, and in completion order over several
-    # threads; ``.metadata`` lists keys in this order, and readers show it (the CLI, in model order)
+
+def _written(
+    planned: list, results: list, all_mappings: Mapping[str, Any], rank: int, send_mappings: bool
+) -> Written:
+    """This rank's report of what it wrote, in the plan's order (the state dict's), not the
+    writer's: FileSystemWriter reports its results sorted by size where CUDA is available, and
+    in completion order over several threads; ``.metadata`` lists keys in this order, and
+    readers show it (the CLI, in model order)."""
+    from torch.distributed.checkpoint.planner import WriteItemType
+
     result_of = {res.index: res for res in results}
     items: list[tuple] = []
     tensors: dict[str, tuple] = {}
-    for item in plan.items:
+    for item in planned:
         res = result_of[item.index]
         fqn = item.index.fqn
         if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
@@ -166,9 +188,9 @@ def write_files(
             tensors[fqn] = (tuple(data.size), p.dtype, p.requires_grad, p.pin_memory)
     mappings: dict[str, Any] | None = None
     if rank == 0:
-        mappings = dict(planner.mappings)
+        mappings = dict(all_mappings)
     elif send_mappings:
-        mappings = {k: planner.mappings[k] for k in {it[0] for it in items}}
+        mappings = {k: all_mappings[k] for k in {it[0] for it in items}}
     return Written(items, tensors, mappings)
 
 

@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any
 
-from ._integrity import (
+from ._check_checkpoint import (
     CHECKSUMS_FILE,
     COMPLETE_MARKER,
     FORMAT,

@@ -12,9 +12,9 @@ state per held FQN, in order), so the table is built once, after the agreement, 
 ``Keyspace``. The protocol and the description's fields: docs/internals.md, "Inside the
 checkpoint layer".
 
-Imports: the leaves ``_values`` and ``_infra.agreement``; ``_materialize``'s ``Signature`` for
-types only. The later stages (``_table``, ``_layout``) read the ``Keyspace`` it returns and call
-nothing here (the walk: ``_build``'s map).
+Imports: the leaves ``_values`` and ``_infra.agreement``; ``_materialize_optimizer_state``'s
+``Signature`` for types only. The later stages (``_table``, ``_layout``) read the ``Keyspace`` it
+returns and call nothing here (the walk: ``_build_sharded_state_dict``'s map).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .._infra import agreement
-from .._infra.params import ParamRecord
+from ..._infra import agreement
+from ..._infra.params import ParamRecord
 from ._values import (
     PARAM_SHAPED,
     SCALAR,
@@ -39,7 +39,7 @@ from ._values import (
 )
 
 if TYPE_CHECKING:
-    from ._materialize import Signature
+    from ._materialize_optimizer_state import Signature
 
 __all__ = [
     "Keyspace",
@@ -85,9 +85,9 @@ def agreed_keyspace(
 ) -> tuple[Keyspace, list[str]]:
     """Stage 2 of ``build_sharded_state_dict``: the keyspace every rank of ``group`` agrees on,
     and the errors every rank raises (``[]`` when none). ``derived``: per dtype, the signature a
-    param this rank's optimizer does not hold would get (``_materialize.first_step_state``).
-    Every rank issues ONE ``all_reduce`` of the digest, then ONE object gather only when the
-    digests differ."""
+    param this rank's optimizer does not hold would get
+    (``_materialize_optimizer_state.first_step_state``). Every rank issues ONE ``all_reduce`` of
+    the digest, then ONE object gather only when the digests differ."""
     local = describe_state(optimizer, records, derived)
     descriptions = agree_keyspace(local, digest(local), group)
     if descriptions is None:
@@ -103,15 +103,63 @@ def describe_state(
 ) -> LocalState:
     """Classify this rank's state and build its compact description and digest items (no
     collective). ``derived``: per dtype, the signature of a record its optimizer does not hold
-    (missing: one that never matches, so the digests differ)."""
+    (missing: one that never matches, so the digests differ). Its phases: ``_classify`` the
+    live state of every held record, ``_describe`` the compact description, ``_digest_items``
+    what the digest hashes."""
+    walk = _classify(optimizer, records)
+    description, signature = _describe(walk)
+    derived_of, digest_items = _digest_items(records, signature, walk.groups.hypers, derived)
+    return LocalState(walk.state, walk.meta, description, derived_of, digest_items)
+
+
+class _GroupMetas:
+    """The param groups' hyperparameters as the description holds them, each group read once:
+    ``metas`` the distinct groups (sorted items), ``index`` group -> its index in ``metas``,
+    ``hyper_id`` group -> its hyperparameters' first-seen index by repr (``hypers``)."""
+
+    def __init__(self, groups: list[dict]) -> None:
+        self.groups = groups
+        self.metas: list[tuple] = []
+        self.index: dict[int, int] = {}
+        self.plain: dict[int, dict] = {}
+        self.hyper_id: dict[int, int] = {}
+        self.hypers: dict[str, int] = {}  # repr of sorted hyperparameters -> first-seen index
+
+    def of(self, gi: int, errors: list[str]) -> dict:
+        """Group ``gi``'s hyperparameters as plain values (read the first time; a value that is
+        not plain is an error, and the group then has none)."""
+        plain = self.plain.get(gi)
+        if plain is None:
+            try:
+                plain = group_meta(self.groups[gi], f"param_groups[{gi}]")
+            except PlainValueError as exc:
+                errors.append(str(exc))
+                plain = {}
+            self.index[gi] = len(self.metas)
+            self.plain[gi] = plain
+            sorted_meta = tuple(sorted(plain.items()))
+            self.metas.append(sorted_meta)
+            self.hyper_id[gi] = self.hypers.setdefault(repr(sorted_meta), len(self.hypers))
+        return plain
+
+
+class _Walk(NamedTuple):
+    """What ``_classify`` found: the classified state and hyperparameters per held FQN, the
+    (fqn, group index) of every held record in order, the groups, the errors."""
+
+    state: dict[str, dict[str, tuple[EntryLayout, Any]]]
+    meta: dict[str, dict[str, Any]]
+    held: list[tuple[str, int]]
+    groups: _GroupMetas
+    errors: list[str]
+
+
+def _classify(optimizer: torch.optim.Optimizer, records: Sequence[ParamRecord]) -> _Walk:
+    """Every held record's live state classified (``classify``), its group's hyperparameters,
+    and the scalar state read in one host transfer per (device, dtype)."""
     errors: list[str] = []
-    groups = optimizer.param_groups
-    group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
-    metas: list[tuple] = []  # the description's distinct groups
-    meta_index: dict[int, int] = {}  # group index -> its index in metas
-    meta_plain: dict[int, dict] = {}
-    hyper_id: dict[int, int] = {}  # group index -> its hyperparameters' first-seen index by repr
-    hypers: dict[str, int] = {}  # repr of sorted hyperparameters -> first-seen index
+    groups = _GroupMetas(optimizer.param_groups)
+    group_of = {id(p): gi for gi, g in enumerate(groups.groups) for p in g["params"]}
     state: dict[str, dict[str, tuple[EntryLayout, Any]]] = {}
     meta: dict[str, dict[str, Any]] = {}
     scalars: dict[tuple, list[tuple[dict, str, torch.Tensor]]] = defaultdict(list)
@@ -125,19 +173,7 @@ def describe_state(
         if gi is None:
             errors.append(f"{rec.fqn!r}: its opt_param is not a parameter of the base optimizer")
             continue
-        plain = meta_plain.get(gi)
-        if plain is None:
-            try:
-                plain = group_meta(groups[gi], f"param_groups[{gi}]")
-            except PlainValueError as exc:
-                errors.append(str(exc))
-                plain = {}
-            meta_index[gi] = len(metas)
-            meta_plain[gi] = plain
-            sorted_meta = tuple(sorted(plain.items()))
-            metas.append(sorted_meta)
-            hyper_id[gi] = hypers.setdefault(repr(sorted_meta), len(hypers))
-        meta[rec.fqn] = plain
+        meta[rec.fqn] = groups.of(gi, errors)
         held.append((rec.fqn, gi))
         live = live_of.get(id(rec.opt_param))
         if not live:
@@ -159,25 +195,41 @@ def describe_state(
             values = torch.stack([t for _, _, t in batch]).tolist()
         for (entries, key, value), v in zip(batch, values, strict=True):
             entries[key] = (EntryLayout(SCALAR, entries[key][0].dtype, v), value)
+    return _Walk(state, meta, held, groups, errors)
+
+
+def _describe(walk: _Walk) -> tuple[dict, dict[str, tuple]]:
+    """The compact description (distinct signatures, distinct groups, each held FQN's indices
+    into them, the errors) and each held FQN's (hyperparameters' index, sorted signature)."""
     slots: list[tuple] = []
     slot_index: dict[tuple, int] = {}
     fqns: dict[str, tuple[int, int]] = {}
     signature: dict[str, tuple] = {}  # held FQN -> its sorted (key, kind, dtype, value)
-    for fqn, gi in held:
+    for fqn, gi in walk.held:
         sid = -1
         sig: tuple = ()
-        own = state.get(fqn)
+        own = walk.state.get(fqn)
         if own is not None:
             sig = tuple(sorted((k, s.kind, s.dtype, s.value) for k, (s, _) in own.items()))
             sid = slot_index.setdefault(sig, len(slots))
             if sid == len(slots):
                 slots.append(sig)
-        fqns[fqn] = (sid, meta_index[gi])
-        signature[fqn] = (hyper_id[gi], sig)
-    description = {"slots": slots, "metas": metas, "fqns": fqns, "errors": errors}
-    # every record in order: a held FQN's hyperparameters (by first-seen index) and full sorted
-    # state signature, which together say what its table leaf and its tensor keys are; a record
-    # this rank does not hold, the derived keys of its dtype
+        fqns[fqn] = (sid, walk.groups.index[gi])
+        signature[fqn] = (walk.groups.hyper_id[gi], sig)
+    metas = walk.groups.metas
+    return {"slots": slots, "metas": metas, "fqns": fqns, "errors": walk.errors}, signature
+
+
+def _digest_items(
+    records: Sequence[ParamRecord],
+    signature: dict[str, tuple],
+    hypers: dict[str, int],
+    derived: Mapping[torch.dtype, Signature] | None,
+) -> tuple[dict[str, Signature], tuple[str, str]]:
+    """What the digest hashes: every record in order, a held FQN's hyperparameters (by
+    first-seen index) and full sorted state signature, which together say what its table leaf
+    and its tensor keys are; a record this rank does not hold, the derived keys of its dtype
+    (returned per FQN too)."""
     missing = derived if derived is not None else {}
     derived_of: dict[str, Signature] = {}
     items: list[tuple] = []
@@ -190,8 +242,7 @@ def describe_state(
             items.append((rec.fqn, sig))
         else:
             items.append((rec.fqn, None))  # not a parameter of the optimizer: an error above
-    digest_items = (repr(items), repr(tuple(hypers)))
-    return LocalState(state, meta, description, derived_of, digest_items)
+    return derived_of, (repr(items), repr(tuple(hypers)))
 
 
 def digest(local: LocalState) -> list[int]:
