@@ -5,16 +5,17 @@ Map: ``_optimizer`` the public class (stages, hooks, scaler and checkpoint adapt
 optimizer's params; ``_prepare`` unscale, cast and bucket the grads; ``_dispatch`` which base
 step runs; ``_views`` the base step on local shards; ``_fast_step`` and ``_triton_adam`` the
 direct Adam/AdamW step; ``_hyper`` hyperparameter checks, ``_agreed`` the ranks' agreement on
-their values; ``_kinds`` and ``_registry`` each class's update kind, ``_classify`` finding it by
-stepping (``python -m mfsdp_optim.optim classify``). Nothing below imports it. Layers it may
+their values; ``_kinds/`` each class's update kind, the registry of known classes and
+``classify_update`` finding it by stepping; ``_cli`` its command line (``python -m
+mfsdp_optim.optim classify``). Nothing below imports it. Layers it may
 import: ``stats``, ``checkpoint``, ``_infra`` (each through its package's names, never a private
 module: ``tests/infra/test_layers.py``).
 """
 
 from ._agreed import HyperparameterMismatchError
-from ._classify import Classification, classify_update
 from ._config import OptimizerConfig
 from ._grad_scaler import ConstantGradScaler, DynamicGradScaler, GradScaler
+from ._kinds._classify import Classification, classify_update
 from ._optimizer import FullyShardedOptimizer
 
 __all__ = [

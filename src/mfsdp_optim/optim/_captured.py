@@ -36,7 +36,7 @@ from ._dispatch import route_of
 from ._engine import _frozen_values
 from ._grad_scaler import ConstantGradScaler, DynamicGradScaler
 from ._graph import Counters, CudaGraphRunner, EagerRunner, Inputs, ScalarSlots, StepGraph
-from ._kinds import WHOLE_PARAM
+from ._kinds._kind_of import WHOLE_PARAM
 from ._triton_adam import AdamTable
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ import torch
 
 from .._infra.params import ParamRecord
 from ._engine import Engine
-from ._kinds import WHOLE_PARAM
+from ._kinds._kind_of import WHOLE_PARAM
 
 __all__ = ["build_state_dict", "load_state_dict"]
 

@@ -23,7 +23,7 @@ from ._config import OptimizerConfig
 from ._dispatch import Route, base_step, detect_precision_aware, route_of
 from ._fast_step import FastAdamStep
 from ._hyper import check_param_groups
-from ._kinds import WHOLE_PARAM, kind_of
+from ._kinds._kind_of import WHOLE_PARAM, kind_of
 from ._prepare import Preparer
 from ._slots import SlotTable
 from ._triton_adam import TritonAdam
