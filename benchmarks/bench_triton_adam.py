@@ -1,4 +1,4 @@
-"""The Triton Adam/AdamW kernel (``mfsdp_optim.optim._triton_adam``) against torch's fused
+"""The Triton Adam/AdamW kernel (``mfsdp_optim.optim._engines._triton_adam``) against torch's fused
 kernel, on one CUDA device, fp32, AdamW: one call of each per round, order rotating, median.
 
   torch:        torch._foreach_add_(steps, 1) + torch._fused_adamw_ (the bare fused step's work)
@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
 
-    from mfsdp_optim.optim import _triton_adam as ta
+    from mfsdp_optim.optim._engines import _triton_adam as ta
 
     dev = torch.device("cuda")
     bw = _copy_bandwidth(dev, 2**28)
@@ -51,7 +51,7 @@ def main() -> None:
 
 
 def _run_set(name, count, shape, dev, bw, configs, iters) -> None:
-    from mfsdp_optim.optim import _triton_adam as ta
+    from mfsdp_optim.optim._engines import _triton_adam as ta
 
     group = dict(
         lr=1e-3,

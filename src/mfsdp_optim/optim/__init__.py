@@ -1,12 +1,14 @@
 """The wrapper layer: ``FullyShardedOptimizer``, the mixed-precision step contract.
 
 Map: ``_optimizer`` the public class (stages, hooks, scaler and checkpoint adapters);
-``_config`` its options; ``_grad_scaler`` the loss scalers; ``_slots`` the table of the base
-optimizer's params; ``_prepare`` unscale, cast and bucket the grads; ``_dispatch`` which base
-step runs; ``_views`` the base step on local shards; ``_fast_step`` and ``_triton_adam`` the
-direct Adam/AdamW step; ``_hyper`` hyperparameter checks, ``_agreed`` the ranks' agreement on
-their values; ``_kinds/`` each class's update kind, the registry of known classes and
-``classify_update`` finding it by stepping; ``_cli`` its command line (``python -m
+``_surface`` its stock optimizer surface; ``_config`` its options; ``_grad_scaler`` the loss
+scalers; ``_prepared`` the step's prepare over every engine (one stats collective);
+``_engines/`` one base optimizer's step machinery and caches (the ``Engine``, how its step
+runs, its param table, the fast Adam step); ``_whole/`` whole-param updates (Muon,
+Adafactor); ``_captured`` and ``_graph`` the CUDA-graph captured step; ``_checkpointing`` the
+adapter to the checkpoint layer; ``_hyper`` hyperparameter checks, ``_agreed`` the ranks'
+agreement on their values; ``_kinds/`` each class's update kind, the registry of known classes
+and ``classify_update`` finding it by stepping; ``_cli`` its command line (``python -m
 mfsdp_optim.optim classify``). Nothing below imports it. Layers it may
 import: ``stats``, ``checkpoint``, ``_infra`` (each through its package's names, never a private
 module: ``tests/infra/test_layers.py``).

@@ -32,12 +32,12 @@ import torch.distributed as dist
 
 from .._infra.comm import collective_device
 from .._infra.device_table import addresses, check_all_lists, same_addresses
-from ._dispatch import route_of
-from ._engine import _frozen_values
+from ._engines._engine import _frozen_values
+from ._engines._route import route_of
+from ._engines._triton_adam import AdamTable
 from ._grad_scaler import ConstantGradScaler, DynamicGradScaler
 from ._graph import Counters, CudaGraphRunner, EagerRunner, Inputs, ScalarSlots, StepGraph
 from ._kinds._kind_of import WHOLE_PARAM
-from ._triton_adam import AdamTable
 
 if TYPE_CHECKING:
     from ._optimizer import FullyShardedOptimizer

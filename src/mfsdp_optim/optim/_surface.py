@@ -23,7 +23,7 @@ from .._infra.caches import clear_all
 from .._infra.grouping import by_device_dtype
 from . import _checkpointing
 from ._config import OptimizerConfig
-from ._engine import Engine, check_disjoint
+from ._engines._engine import Engine, check_disjoint
 from ._grad_scaler import GradScaler
 
 __all__ = ["OptimizerSurface", "with_step_hooks"]

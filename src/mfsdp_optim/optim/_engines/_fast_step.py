@@ -1,7 +1,7 @@
 """The Adam/AdamW fast step: torch's own multi-tensor kernels on cached local-tensor lists.
 
 ``FastAdamStep`` calls what ``Adam.step()`` calls after ``_init_group`` (fused or foreach,
-``_dispatch.Route``) on per-group lists of local shards it keeps (``_GroupCache``): bit-identical
+``_route.Route``) on per-group lists of local shards it keeps (``_GroupCache``): bit-identical
 to the base step. Valid while the slot table, ``optimizer.state`` (same mapping and size),
 ``param_groups`` and each group's ``amsgrad`` are unchanged and the params keep their local
 tensors; ``FullyShardedOptimizer.invalidate_caches()`` after replacing a state value by hand.
@@ -37,7 +37,7 @@ def advance_steps(steps: list[torch.Tensor], found_inf: torch.Tensor | None) -> 
 
 
 def group_eligible(group: dict[str, Any]) -> bool:
-    """A param group the fast step can take (type and hook checks are ``_dispatch``'s)."""
+    """A param group the fast step can take (type and hook checks are ``_route``'s)."""
     if group.get("capturable", False) or group.get("differentiable", False):
         return False
     if group.get("fused"):

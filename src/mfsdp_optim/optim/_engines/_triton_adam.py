@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from .._infra.device_table import DeviceTable, addresses, check_all_lists, same_addresses
-from .._infra.kernels import device_helpers, element_offsets, sm_count_of
+from ..._infra.device_table import DeviceTable, addresses, check_all_lists, same_addresses
+from ..._infra.kernels import device_helpers, element_offsets, sm_count_of
 from ._fast_step import advance_steps
 
 __all__ = ["AdamTable", "TritonAdam"]
