@@ -49,8 +49,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 import mfsdp_optim
 from mfsdp_optim._infra import device_table
-from mfsdp_optim.optim._captured import CapturedStep
-from mfsdp_optim.optim._graph import Inputs
+from mfsdp_optim.optim._captured._graph import Inputs
+from mfsdp_optim.optim._captured._step import CapturedStep
 
 _grad_of = attrgetter("grad")
 _local_of = attrgetter("_local_tensor")
@@ -258,6 +258,8 @@ def main() -> None:
 
         prev = import_other(args.compare)
         captured = importlib.import_module(f"{prev.__name__}.optim._captured")
+        if not hasattr(captured, "CapturedStep"):  # a commit with the optim/_captured/ package
+            captured = importlib.import_module(f"{prev.__name__}.optim._captured._step")
         contenders["prev"] = (prev, captured.CapturedStep)
     contenders["before"] = (mfsdp_optim, _Before)
     contenders["now"] = (mfsdp_optim, CapturedStep)

@@ -127,8 +127,8 @@ def _bases(path, params):
 
 def _wrapper(path, params):
     from mfsdp_optim import DynamicGradScaler, FullyShardedOptimizer, OptimizerConfig
-    from mfsdp_optim.optim._captured import CapturedStep
-    from mfsdp_optim.optim._graph import EagerRunner
+    from mfsdp_optim.optim._captured._graph import EagerRunner
+    from mfsdp_optim.optim._captured._step import CapturedStep
 
     holder = torch.nn.Module()
     for i, p in enumerate(params):

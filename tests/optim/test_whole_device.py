@@ -437,8 +437,8 @@ def _rank_captured_muon(muon_lr_change_at):
     from test_reliability_whole import _chain_params
 
     from mfsdp_optim import OptimizerConfig
-    from mfsdp_optim.optim._captured import CapturedStep
-    from mfsdp_optim.optim._graph import EagerRunner
+    from mfsdp_optim.optim._captured._graph import EagerRunner
+    from mfsdp_optim.optim._captured._step import CapturedStep
 
     specs, _ = _chain_params()
     (pc, wc), (pe, we) = [_pair(lambda: _chain_params()[1], False, scaler=True) for _ in "ce"]

@@ -5,7 +5,7 @@ Map: ``_optimizer`` the public class (stages, hooks, scaler and checkpoint adapt
 scalers; ``_prepared`` the step's prepare over every engine (one stats collective);
 ``_engines/`` one base optimizer's step machinery and caches (the ``Engine``, how its step
 runs, its param table, the fast Adam step); ``_whole/`` whole-param updates (Muon,
-Adafactor); ``_captured`` and ``_graph`` the CUDA-graph captured step; ``_checkpointing`` the
+Adafactor); ``_captured/`` the CUDA-graph captured step; ``_checkpointing`` the
 adapter to the checkpoint layer; ``_hyper`` hyperparameter checks, ``_agreed`` the ranks'
 agreement on their values; ``_kinds/`` each class's update kind, the registry of known classes
 and ``classify_update`` finding it by stepping; ``_cli`` its command line (``python -m

@@ -94,9 +94,9 @@ class FullyShardedOptimizer(OptimizerSurface):
                 f"OptimizerConfig.clip_scope={scope!r} names base optimizer {scope[-1]}, but the "
                 f"wrapper has {len(self.optimizers)} (indices 0 to {len(self.optimizers) - 1})"
             )
-        self._captured: Any = None  # OptimizerConfig(cuda_graph=True): _captured.CapturedStep
+        self._captured: Any = None  # OptimizerConfig(cuda_graph=True): _captured._step.CapturedStep
         if self.config.cuda_graph:
-            from ._captured import CapturedStep
+            from ._captured._step import CapturedStep
 
             self._captured = CapturedStep(self)
 

@@ -30,17 +30,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .._infra.comm import collective_device
-from .._infra.device_table import addresses, check_all_lists, same_addresses
-from ._engines._engine import _frozen_values
-from ._engines._route import route_of
-from ._engines._triton_adam import AdamTable
-from ._grad_scaler import ConstantGradScaler, DynamicGradScaler
+from ..._infra.comm import collective_device
+from ..._infra.device_table import addresses, check_all_lists, same_addresses
+from .._engines._engine import _frozen_values
+from .._engines._route import route_of
+from .._engines._triton_adam import AdamTable
+from .._grad_scaler import ConstantGradScaler, DynamicGradScaler
+from .._kinds._kind_of import WHOLE_PARAM
 from ._graph import Counters, CudaGraphRunner, EagerRunner, Inputs, ScalarSlots, StepGraph
-from ._kinds._kind_of import WHOLE_PARAM
 
 if TYPE_CHECKING:
-    from ._optimizer import FullyShardedOptimizer
+    from .._optimizer import FullyShardedOptimizer
 
 __all__ = ["CapturedStep", "check_setup"]
 
@@ -415,8 +415,8 @@ class CapturedStep:
         """What the graph reads that caches may drop (tables, workspaces, the verdict slots,
         the device constants of Muon's agreement): held while the capture lives, so no replay
         reads freed memory."""
-        from .._infra.comm import device_constants
-        from ..stats import capture_keepalive
+        from ..._infra.comm import device_constants
+        from ...stats import capture_keepalive
 
         keep: list[Any] = capture_keepalive() + device_constants()
         keep.append(self.wrapper._agreement.buffer)
