@@ -83,8 +83,6 @@ PRIVATE_ACCESS_DEBT: dict[tuple[str, str], int] = {
     ("optim/_captured/_step.py", "w._stage"): 2,
     ("optim/_captured/_step.py", "wrapper._engines"): 3,
     ("optim/_kinds/_classify.py", "opt._engines"): 1,
-    # inherited: OptimizerSurface (optim/_surface.py) defines it
-    ("optim/_optimizer.py", "self._engines"): 8,
     ("stats/_reduce.py", "comm._all_gather_flat"): 1,
     # capture_keepalive: the caches of two other modules
     ("stats/_seam.py", "_fused._table_cache"): 1,

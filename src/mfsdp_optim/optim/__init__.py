@@ -1,8 +1,9 @@
 """The wrapper layer: ``FullyShardedOptimizer``, the mixed-precision step contract.
 
-Map: ``_optimizer`` the public class (stages, hooks, scaler and checkpoint adapters);
-``_surface`` its stock optimizer surface; ``_config`` its options; ``_grad_scaler`` the loss
-scalers; ``_prepared`` the step's prepare over every engine (one stats collective);
+Map: ``_optimizer`` the public class, whole: its stock optimizer surface, stages, step, scaler
+and checkpoint adapters; ``_step_hooks`` torch's step-hook contract around its ``step``;
+``_config`` its options; ``_grad_scaler`` the loss scalers; ``_step_data`` the step as data
+(``prepare`` over every engine: one stats collective; ``StepResult``, ``clip_norms``);
 ``_engines/`` one base optimizer's step machinery and caches (the ``Engine``, how its step
 runs, its param table, the fast Adam step); ``_whole/`` whole-param updates (Muon,
 Adafactor); ``_captured/`` the CUDA-graph captured step; ``_checkpointing`` the
