@@ -62,27 +62,11 @@ MAX_LINES = 80
 # rule 1: the modules of each import cycle (names below mfsdp_optim)
 CYCLE_DEBT: set[tuple[str, ...]] = {
     ("checkpoint._cli", "checkpoint._inspect"),  # _inspect.main, deferred, imports _cli back
-    ("optim._captured._step", "optim._optimizer"),  # TYPE_CHECKING one way, deferred the other
 }
 
 # rule 2, src/: (file below src/mfsdp_optim, the access as written) -> occurrences
 PRIVATE_ACCESS_DEBT: dict[tuple[str, str], int] = {
     ("_infra/agreement.py", "comm._all_gather_flat"): 1,
-    # the captured step reads the wrapper, its engines, the scaler and the fast step
-    ("optim/_captured/_step.py", "e.fast._groups"): 3,
-    ("optim/_captured/_step.py", "e.triton._tickets"): 1,
-    ("optim/_captured/_step.py", "fast._groups"): 3,
-    ("optim/_captured/_step.py", "from .._engines._engine import _frozen_values"): 1,
-    ("optim/_captured/_step.py", "scaler._cache"): 3,
-    ("optim/_captured/_step.py", "scaler._device"): 2,
-    ("optim/_captured/_step.py", "scaler._device_stale"): 1,
-    ("optim/_captured/_step.py", "self.wrapper._agreement"): 1,
-    ("optim/_captured/_step.py", "self.wrapper._engines"): 4,
-    ("optim/_captured/_step.py", "w._agreement"): 2,
-    ("optim/_captured/_step.py", "w._engines"): 5,
-    ("optim/_captured/_step.py", "w._stage"): 2,
-    ("optim/_captured/_step.py", "wrapper._engines"): 3,
-    ("optim/_kinds/_classify.py", "opt._engines"): 1,
     ("stats/_reduce.py", "comm._all_gather_flat"): 1,
     # capture_keepalive: the caches of two other modules
     ("stats/_seam.py", "_fused._table_cache"): 1,

@@ -162,7 +162,6 @@ def _pair(base_cls, base_kw, scaler_cls=None, split=False):
     from _layouts import get_mesh
 
     from mfsdp_optim import DynamicGradScaler, FullyShardedOptimizer
-    from mfsdp_optim.optim._captured._step import CapturedStep
 
     mesh = get_mesh((dist.get_world_size(),))
     gen = torch.Generator().manual_seed(0)
@@ -185,7 +184,7 @@ def _pair(base_cls, base_kw, scaler_cls=None, split=False):
         )
         if captured:
             w.config = OptimizerConfig(clip_grad=0.5, host_sync=False, cuda_graph=True)
-            w._captured = CapturedStep(w, runner=EagerRunner())
+            w._captured = w._captured_step(runner=EagerRunner())
         out.append((w, ps))
     return mesh, out
 

@@ -135,9 +135,27 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
             )
         self._captured: Any = None  # OptimizerConfig(cuda_graph=True): _captured._step.CapturedStep
         if self.config.cuda_graph:
-            from ._captured._step import CapturedStep
+            self._captured = self._captured_step()
 
-            self._captured = CapturedStep(self)
+    def _captured_step(self, runner: Any = None) -> Any:
+        """A ``CapturedStep`` over this wrapper's engines, agreed slots and stage (``runner``:
+        tests and benchmarks, instead of a CUDA graph)."""
+        from ._captured._step import CapturedStep
+
+        return CapturedStep(
+            self,
+            self._engines,
+            self._agreement,
+            stage_of=self._stage_now,
+            set_stage=self._set_stage,
+            runner=runner,
+        )
+
+    def _stage_now(self) -> Stage:
+        return self._stage
+
+    def _set_stage(self, stage: Stage) -> None:
+        self._stage = stage
 
     # ------------------------------------------------------------------------------------------
     # torch.optim.Optimizer surface

@@ -29,7 +29,7 @@ from ._route import FAST, WHOLE, Route, detect_precision_aware, route_for, step_
 from ._slots import SlotTable
 from ._triton_adam import TritonAdam
 
-__all__ = ["Engine", "check_disjoint"]
+__all__ = ["Engine", "check_disjoint", "frozen_values"]
 
 
 class Engine:
@@ -97,7 +97,7 @@ class Engine:
         groups = self.optimizer.param_groups
         # the values checked last time, compared by identity (immutable values only: a list or
         # a tensor may change in place): a steady step checks nothing again
-        seen = [_frozen_values(g) for g in groups]
+        seen = [frozen_values(g) for g in groups]
         last = self._checked
         if (
             len(last) == len(seen)
@@ -379,7 +379,8 @@ def check_disjoint(engines: Sequence[Engine]) -> None:
 _MUTABLE = (list, dict, set, bytearray, torch.Tensor)
 
 
-def _frozen_values(group: dict[str, Any]) -> tuple | None:
-    """The group's hyperparameter values, or None when one may change in place."""
+def frozen_values(group: dict[str, Any]) -> tuple | None:
+    """The group's hyperparameter values, or None when one may change in place (compared by
+    identity from one step to the next: by ``Engine.check`` and the captured step)."""
     values = tuple(v for k, v in group.items() if k != "params")
     return None if any(isinstance(v, _MUTABLE) for v in values) else values

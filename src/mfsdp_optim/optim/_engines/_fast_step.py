@@ -112,6 +112,11 @@ class FastAdamStep:
         """Identifies the current cache (the prepare plan indexes its grad lists by it)."""
         return self._groups
 
+    def groups(self) -> list[_GroupCache] | None:
+        """The per-group caches (their lists, Triton tables and state), None while none is
+        built: what a captured step reads and keeps alive."""
+        return self._groups
+
     def _cache_ok(self, optimizer: torch.optim.Optimizer, table: SlotTable) -> bool:
         groups = self._groups
         if groups is None or self._table_version != table.version:

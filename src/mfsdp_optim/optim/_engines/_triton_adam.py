@@ -405,6 +405,11 @@ class TritonAdam:
         self.launches = 0  # for tests and diagnostics
         self.builds = 0  # tables built (for tests)
 
+    def kept_tensors(self) -> list[torch.Tensor]:
+        """The device tensors the step's launches write besides their tables (one per device):
+        what a captured step keeps alive while its graph lives."""
+        return list(self._tickets.values())
+
     @staticmethod
     def available() -> bool:
         return torch.cuda.is_available() and torch.version.cuda is not None and _load() is not None

@@ -186,6 +186,7 @@ def trial(
 
     from .._config import OptimizerConfig
     from .._optimizer import FullyShardedOptimizer
+    from ._kind_of import kind_of
 
     cls = load_class(target)
     mesh_shape, placement_names, _ = LAYOUTS[layout]
@@ -217,7 +218,9 @@ def trial(
             failure = _short(exc)
         if agreed(failure) is not None:
             return {"refused": failure or "another rank refused it"}
-        used = opt._engines[0].kind
+        # the kind the wrapper's engine took: decided from the class and the config alone, and
+        # nothing changed since the constructor asked (its warnings are ignored here too)
+        used = kind_of(opt.optimizer, config.update_kinds)
         for step_grads in grads:
             try:
                 for p, g in zip(params, step_grads, strict=True):
