@@ -109,7 +109,6 @@ LONG_FUNCTION_DEBT: dict[tuple[str, str], int] = {
     ("checkpoint/_save.py", "_finish"): 90,
     ("checkpoint/_save.py", "save_checkpoint"): 88,
     ("checkpoint/_staged.py", "load_checkpoint"): 110,
-    ("optim/_engines/_fast_step.py", "FastAdamStep._step_group"): 100,
     ("optim/_whole/_generic.py", "generic_step"): 202,
 }
 
