@@ -78,10 +78,6 @@ PRIVATE_ACCESS_DEBT: dict[tuple[str, str], int] = {
 
 # rule 2, benchmarks/ scripts/ examples/: (file, the access as written) -> occurrences
 TOOLS_PRIVATE_ACCESS_DEBT: dict[tuple[str, str], int] = {
-    ("benchmarks/bench_loop.py", "ct.opt._captured"): 1,
-    ("benchmarks/bench_replay.py", "device_table._bulk_check"): 1,
-    ("benchmarks/bench_replay.py", "self.wrapper._engines"): 2,
-    ("benchmarks/bench_replay.py", "w._captured"): 4,
     ("benchmarks/bench_stats.py", "_fused._BLOCK"): 4,
     ("benchmarks/bench_stats.py", "_fused._FOLD"): 4,
     ("benchmarks/bench_stats.py", "_fused._NUM_WARPS"): 4,
@@ -89,13 +85,6 @@ TOOLS_PRIVATE_ACCESS_DEBT: dict[tuple[str, str], int] = {
     ("benchmarks/bench_stats.py", "_fused._load_triton"): 2,
     ("benchmarks/bench_stats.py", "_fused._plan"): 5,
     ("benchmarks/bench_stats.py", "_fused._programs_per_sm"): 4,
-    ("benchmarks/bench_step.py", "device_table._bulk_check"): 1,
-    ("benchmarks/bench_step.py", "w._captured"): 1,
-    ("benchmarks/bench_step.py", "wrapper._engines"): 1,
-    ("benchmarks/bench_triton_adam.py", "ta._BLOCK"): 2,
-    ("benchmarks/bench_triton_adam.py", "ta._MIN_MEAN_NUMEL"): 1,
-    ("benchmarks/bench_triton_adam.py", "ta._NUM_WARPS"): 2,
-    ("benchmarks/bench_triton_adam.py", "ta._PROGRAMS_PER_SM"): 2,
 }
 
 # rule 3: folder below src/ -> modules in it
@@ -128,19 +117,9 @@ TOOLS_PRIVATE_IMPORT_DEBT: dict[tuple[str, str], int] = {
     ("benchmarks/bench_muon.py", "mfsdp_optim.optim._whole.generic_traffic"): 1,
     ("benchmarks/bench_muon.py", "mfsdp_optim.optim._whole.muon_splits"): 1,
     ("benchmarks/bench_muon.py", "mfsdp_optim.optim._whole.plan_units"): 2,
-    ("benchmarks/bench_replay.py", "mfsdp_optim._infra.device_table"): 1,
-    ("benchmarks/bench_replay.py", "mfsdp_optim.optim._captured._step.CapturedStep"): 1,
-    ("benchmarks/bench_replay.py", "mfsdp_optim.optim._captured._graph.Inputs"): 1,
     ("benchmarks/bench_stats.py", "mfsdp_optim.stats._buckets"): 1,
     ("benchmarks/bench_stats.py", "mfsdp_optim.stats._fused"): 1,
-    ("benchmarks/bench_step.py", "mfsdp_optim._infra.device_table"): 1,
-    ("benchmarks/bench_triton_adam.py", "mfsdp_optim.optim._engines._triton_adam"): 2,
     ("benchmarks/check_batched_ns.py", "mfsdp_optim.optim._whole._muon.batched_newton_schulz"): 1,
-    ("scripts/conformance.py", "mfsdp_optim.optim._kinds._classify.LAYOUTS"): 2,
-    ("scripts/conformance.py", "mfsdp_optim.optim._kinds._classify.load_class"): 3,
-    ("scripts/conformance.py", "mfsdp_optim.optim._kinds._classify.references"): 1,
-    ("scripts/conformance.py", "mfsdp_optim.optim._kinds._classify.trial"): 1,
-    ("scripts/conformance.py", "mfsdp_optim.optim._kinds._kind_of.kind_of"): 1,
 }
 
 # rule 6: modules (a sub-package: its folder) that their folder's Map does not name

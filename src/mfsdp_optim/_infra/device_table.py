@@ -21,6 +21,7 @@ __all__ = [
     "CHECK_ALL_ENV",
     "DeviceTable",
     "addresses",
+    "bulk_check_available",
     "check_all_lists",
     "same_addresses",
 ]
@@ -28,6 +29,11 @@ __all__ = [
 CHECK_ALL_ENV = "MFSDP_OPTIM_CHECK_ALL_ADDRESSES"
 
 _bulk_check = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+def bulk_check_available() -> bool:
+    """Whether this torch build has the C++ loop ``same_addresses`` uses (else a Python one)."""
+    return _bulk_check is not None
 
 
 def check_all_lists() -> bool:

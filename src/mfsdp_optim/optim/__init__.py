@@ -10,7 +10,8 @@ Adafactor); ``_captured/`` the CUDA-graph captured step; ``_checkpointing`` the
 adapter to the checkpoint layer; ``_hyper`` hyperparameter checks, ``_agreed`` the ranks'
 agreement on their values; ``_kinds/`` each class's update kind, the registry of known classes
 and ``classify_update`` finding it by stepping; ``_cli`` its command line (``python -m
-mfsdp_optim.optim classify``). Nothing below imports it. Layers it may
+mfsdp_optim.optim classify``); ``seam`` what the repository's tools use from inside the
+layer (not public API). Nothing below imports it. Layers it may
 import: ``stats``, ``checkpoint``, ``_infra`` (each through its package's names, never a private
 module: ``tests/infra/test_layers.py``).
 """

@@ -137,12 +137,12 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         if self.config.cuda_graph:
             self._captured = self._captured_step()
 
-    def _captured_step(self, runner: Any = None) -> Any:
-        """A ``CapturedStep`` over this wrapper's engines, agreed slots and stage (``runner``:
-        tests and benchmarks, instead of a CUDA graph)."""
+    def _captured_step(self, runner: Any = None, step_class: Any = None) -> Any:
+        """A ``CapturedStep`` (or ``step_class``, a subclass) over this wrapper's engines, agreed
+        slots and stage (``runner``: tests and benchmarks, instead of a CUDA graph)."""
         from ._captured._step import CapturedStep
 
-        return CapturedStep(
+        return (step_class or CapturedStep)(
             self,
             self._engines,
             self._agreement,
@@ -647,6 +647,30 @@ class FullyShardedOptimizer(torch.optim.Optimizer):
         return _checkpointing.build_state_dict(
             self._engines, is_loading=is_loading, init_state_fn=self._init_state_fn
         )
+
+
+# -- for the repository's tools, through ``optim.seam`` (not public API) ----------------------
+
+
+def engines_of(wrapper: FullyShardedOptimizer) -> list[Engine]:
+    """The wrapper's engines, one per base optimizer, in ``optimizers`` order (its own list)."""
+    return wrapper._engines
+
+
+def captured_step_of(wrapper: FullyShardedOptimizer) -> Any:
+    """The wrapper's captured step (``OptimizerConfig(cuda_graph=True)``), or None."""
+    return wrapper._captured
+
+
+def use_captured_step(
+    wrapper: FullyShardedOptimizer, step_class: Any = None, runner: Any = None
+) -> Any:
+    """Give the wrapper a new captured step, ``step_class`` (``CapturedStep`` or a subclass)
+    over its engines, agreed slots and stage, and return it; ``runner``: a stand-in for the
+    CUDA graph (with ``warm``, ``capture``, ``replay``, ``reset``), for CPU params. The wrapper
+    steps through it where ``config.cuda_graph`` is set."""
+    wrapper._captured = wrapper._captured_step(runner, step_class)
+    return wrapper._captured
 
 
 def _check_bases(optimizer: Any) -> list[torch.optim.Optimizer]:
