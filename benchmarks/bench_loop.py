@@ -50,6 +50,7 @@ finite and agree per iteration with stock's (``--rtol``).
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 import statistics
@@ -354,13 +355,24 @@ def main() -> None:
         )
     )
     for ct in contenders:
-        captured = getattr(ct.opt, "_captured", None)
+        captured = _captured_of(ct.opt)
         if captured is not None:
             g = captured.graph
             state = f"eager since: {g.disabled}" if g.disabled else "captured"
             print(f"{ct.name}: {g.captures} capture(s), {g.replays} replays of the last; {state}")
     _check(args, contenders, start_loss, batches, noise, noise_start)
     dist.destroy_process_group()
+
+
+def _captured_of(opt):
+    """The captured step of a wrapper of this package or of the ``--compare`` copy; None for a
+    stock optimizer, a wrapper without one, or a copy that predates ``optim.seam``."""
+    package = type(opt).__module__.split(".")[0]
+    try:
+        tools = importlib.import_module(f"{package}.optim.seam")
+    except ImportError:
+        return None
+    return tools.captured_step_of(opt)
 
 
 def _deviation(c: Contender, ref: Contender, evals, losses, start, ref_start) -> dict[str, float]:

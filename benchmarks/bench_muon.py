@@ -69,7 +69,7 @@ def plan_table(layers: int = 16) -> list[dict]:
     """Per (world, replicas): the busiest rank's Newton-Schulz flops against total / world, and
     the largest bytes any rank sends or receives against twice its local shard bytes, owners
     spanning the replicas (``now``) and one owner per replica group (``before``)."""
-    from mfsdp_optim.optim.whole_seam import muon_splits, plan_units
+    from mfsdp_optim.optim.seam import muon_splits, plan_units
 
     rows = []
     for world in (8, 64, 512):
@@ -104,7 +104,7 @@ def plan_table(layers: int = 16) -> list[dict]:
 
 
 def _numel(piece) -> int:
-    from mfsdp_optim.optim.whole_seam import piece_numel
+    from mfsdp_optim.optim.seam import piece_numel
 
     return piece_numel(piece)
 
@@ -127,7 +127,7 @@ def generic_plan_table(layers: int = 16) -> list[dict]:
     against one owner per replica group (``before``)."""
     import math
 
-    from mfsdp_optim.optim.whole_seam import generic_traffic, plan_units
+    from mfsdp_optim.optim.seam import generic_traffic, plan_units
 
     rows = []
     for world in (8, 64, 512):

@@ -17,7 +17,8 @@ for these contenders, in one run: ``before``, the check as it stood before its o
 rewrite (main 2cb5d8f: four C-level passes over the params, the grads' addresses by torch's C++
 loop where the build has it), kept below as ``_Before``; ``now``, the package's (one Python
 loop reading each param's objects together); with ``--compare``, ``prev``, the whole step of
-another copy of the package (e.g. the previous main, renamed: its step wrapper too); with
+another copy of the package (e.g. the previous main, renamed: its step wrapper too; a commit
+with ``mfsdp_optim.optim.seam``, which the benchmark reaches it through); with
 ``--native``, the per-param check compiled as C++ (an evaluation of what compiled code would
 cost, not the package's). ``step - check`` is the part that does not grow with N. On CPU no
 graph exists: the runner replays nothing and hands back the warm-up step's tensors, so ``step``
@@ -48,9 +49,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 import mfsdp_optim
-from mfsdp_optim._infra import device_table
-from mfsdp_optim.optim._captured import CapturedStep
-from mfsdp_optim.optim._graph import Inputs
+from mfsdp_optim.optim import seam
+from mfsdp_optim.optim.seam import CapturedStep, Inputs
 
 _grad_of = attrgetter("grad")
 _local_of = attrgetter("_local_tensor")
@@ -86,10 +86,10 @@ class _Before(CapturedStep):
     def still_valid(self, captured: Inputs) -> bool:
         if not captured.same_head(self.inputs(lists=False)):
             return False
-        check_all = device_table.check_all_lists()
+        check_all = seam.check_all_lists()
         i = 0
         with torch._C.DisableTorchFunctionSubclass():
-            for e in self.wrapper._engines:
+            for e in self.engines:
                 plan = e.preparer.plan
                 if plan is None:
                     continue
@@ -101,8 +101,8 @@ class _Before(CapturedStep):
                     and all(map(_is, map(_grad_of, params), grads))
                     and all(map(_is, map(_local_of, grads), grad_locals))
                     and all(map(_is, map(_local_of, params), locals_))
-                    and device_table.same_addresses(grad_locals, grad_ptrs)
-                    and (not check_all or device_table.same_addresses(locals_, local_ptrs))
+                    and seam.same_addresses(grad_locals, grad_ptrs)
+                    and (not check_all or seam.same_addresses(locals_, local_ptrs))
                 ):
                     return False
         return True
@@ -164,7 +164,7 @@ class _Native(CapturedStep):
             memo = self._memo = (captured, ptrs)
         descr = DTensor.__dict__["_local_tensor"]
         i = 0
-        for e in self.wrapper._engines:
+        for e in self.engines:
             plan = e.preparer.plan
             if plan is None:
                 continue
@@ -175,6 +175,12 @@ class _Native(CapturedStep):
                 return False
             i += 1
         return True
+
+
+def _seam_of(pkg) -> Any:
+    """The ``optim.seam`` of package ``pkg`` (mfsdp_optim or the ``--compare`` copy, which must
+    be of a commit that has it)."""
+    return importlib.import_module(f"{pkg.__name__}.optim.seam")
 
 
 def _wrapper(pkg, cls, count: int, shape: tuple[int, ...], device, mesh) -> Any:
@@ -198,10 +204,11 @@ def _wrapper(pkg, cls, count: int, shape: tuple[int, ...], device, mesh) -> Any:
     # replays nothing (the same glue the CPU tests use)
     if device.type != "cuda":
         w.config = OptimizerConfig(clip_grad=1.0, host_sync=False, cuda_graph=True)
-    w._captured = cls(w, runner=None if device.type == "cuda" else _NoLaunch())
+    tools = _seam_of(pkg)
+    tools.use_captured_step(w, cls, None if device.type == "cuda" else _NoLaunch())
     for _ in range(3):  # the warm-up and capture, then two replays
         w.step()
-    g = w._captured.graph
+    g = tools.captured_step_of(w).graph
     if g.captures != 1 or g.replays != 2 or g.disabled:
         raise RuntimeError(f"{cls.__name__}: not replaying ({g.captures=}, {g.disabled=})")
     return w
@@ -245,7 +252,7 @@ def main() -> None:
     shape = tuple(int(x) for x in args.shape.split("x"))
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
-    helper = "C++" if device_table._bulk_check is not None else "Python (no C++ helper)"
+    helper = "C++" if seam.bulk_check_available() else "Python (no C++ helper)"
     print(
         f"device {device} ({torch.cuda.get_device_name() if cuda else 'cpu'}), torch "
         f"{torch.__version__}, fused AdamW over N x {args.shape}, median of {args.iters} "
@@ -257,8 +264,7 @@ def main() -> None:
         from _compare import import_other
 
         prev = import_other(args.compare)
-        captured = importlib.import_module(f"{prev.__name__}.optim._captured")
-        contenders["prev"] = (prev, captured.CapturedStep)
+        contenders["prev"] = (prev, _seam_of(prev).CapturedStep)
     contenders["before"] = (mfsdp_optim, _Before)
     contenders["now"] = (mfsdp_optim, CapturedStep)
     if args.native:
@@ -272,7 +278,7 @@ def main() -> None:
         }
         calls: dict[str, Any] = {}
         for name, w in wrappers.items():
-            cs = w._captured
+            cs = _seam_of(contenders[name][0]).captured_step_of(w)
             calls[f"{name} step"] = w.step
             calls[f"{name} check"] = lambda cs=cs: cs.still_valid(cs.graph.inputs)
             if cuda:
@@ -288,7 +294,7 @@ def main() -> None:
                     raise RuntimeError(f"{key}: the capture no longer holds")
         sync()
         for name, w in wrappers.items():
-            g = w._captured.graph
+            g = _seam_of(contenders[name][0]).captured_step_of(w).graph
             if g.captures != 1 or g.disabled:
                 raise RuntimeError(f"{name}: captured again or disabled while timed")
         med = {k: statistics.median(v) for k, v in times.items()}

@@ -73,6 +73,7 @@ with ``--clip 0``), and a second line gives every contender over bare+clip:
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 import statistics
@@ -229,7 +230,8 @@ def _note(name, w) -> str:
         if tri and tri.launches
         else ""
     )
-    captured = getattr(w, "_captured", None)
+    tools = _seam_of(w)
+    captured = tools.captured_step_of(w) if tools is not None else None
     if captured is not None:
         g = captured.graph
         extra += f", {g.captures} capture(s), {g.replays} replays of the last"
@@ -364,9 +366,9 @@ def _check_cost(tensors) -> None:
     """ns per tensor of ``device_table.same_addresses`` (the per-step check of the persistent
     tables: the C++ loop where torch has it) and of the Python comparison."""
 
-    from mfsdp_optim._infra import device_table
+    from mfsdp_optim.optim import seam
 
-    ptrs = device_table.addresses(tensors)
+    ptrs = seam.addresses(tensors)
     idx = list(range(len(tensors)))
     n = 200
 
@@ -376,9 +378,9 @@ def _check_cost(tensors) -> None:
             fn()
         return (time.perf_counter() - t0) / n / len(tensors) * 1e9
 
-    bulk = per_tensor(lambda: device_table.same_addresses(tensors, ptrs, idx))
-    py = per_tensor(lambda: device_table.addresses(tensors) == ptrs)
-    cpp = "C++" if device_table._bulk_check is not None else "Python (no C++ helper)"
+    bulk = per_tensor(lambda: seam.same_addresses(tensors, ptrs, idx))
+    py = per_tensor(lambda: seam.addresses(tensors) == ptrs)
+    cpp = "C++" if seam.bulk_check_available() else "Python (no C++ helper)"
     print(f"address check: same_addresses ({cpp}) {bulk:.1f} ns/tensor, Python {py:.1f} ns/tensor")
 
 
@@ -426,10 +428,20 @@ def _host_times(device: torch.device, mesh, args) -> None:
         )
 
 
+def _seam_of(wrapper):
+    """The ``optim.seam`` of the package the wrapper comes from (this one or the ``--compare``
+    copy), or None where that copy predates it (its notes are left out then)."""
+    package = type(wrapper).__module__.split(".")[0]
+    try:
+        return importlib.import_module(f"{package}.optim.seam")
+    except ImportError:
+        return None
+
+
 def _triton_of(wrapper):
-    """The wrapper's Triton step (an engine's since the layout change; ``_triton`` before)."""
-    engines = getattr(wrapper, "_engines", None)
-    return engines[0].triton if engines else getattr(wrapper, "_triton", None)
+    """The wrapper's Triton step (its first engine's), or None."""
+    tools = _seam_of(wrapper)
+    return tools.engines_of(wrapper)[0].triton if tools is not None else None
 
 
 def main() -> None:

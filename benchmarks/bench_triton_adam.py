@@ -1,5 +1,6 @@
-"""The Triton Adam/AdamW kernel (``mfsdp_optim.optim._triton_adam``) against torch's fused
-kernel, on one CUDA device, fp32, AdamW: one call of each per round, order rotating, median.
+"""The Triton Adam/AdamW kernel (``TritonAdam``, through ``mfsdp_optim.optim.seam``) against
+torch's fused kernel, on one CUDA device, fp32, AdamW: one call of each per round, order
+rotating, median.
 
   torch:        torch._foreach_add_(steps, 1) + torch._fused_adamw_ (the bare fused step's work)
   torch+clip:   the same with a clip divisor as grad_scale (what the clip fold costs: the kernel
@@ -8,9 +9,9 @@ kernel, on one CUDA device, fp32, AdamW: one call of each per round, order rotat
                 its table built at every call, and with a kept table (a holder, as the fast
                 step passes it: only the grads' addresses checked per call)
 
-The wrapper hands the kernel only groups whose mean tensor size is at least
-``_triton_adam._MIN_MEAN_NUMEL`` (host cost of the launch table); this benchmark lifts that
-limit so the small-tensor set shows the kernel's own time too.
+The wrapper hands the kernel only groups whose mean tensor size is at least the min mean numel
+of ``seam.launch_tuning()`` (host cost of the launch table); this benchmark lifts that limit so
+the small-tensor set shows the kernel's own time too.
 
 Floor: 28 bytes per element over the device-to-device copy bandwidth measured in the same run.
 
@@ -35,14 +36,15 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
 
-    from mfsdp_optim.optim import _triton_adam as ta
+    from mfsdp_optim.optim import seam
 
     dev = torch.device("cuda")
     bw = _copy_bandwidth(dev, 2**28)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy {bw / 1e9:.0f} GB/s")
     # Time the kernel on every set, including the small-tensor one the wrapper declines to it.
-    ta._MIN_MEAN_NUMEL = 0
-    configs = [(ta._BLOCK, ta._NUM_WARPS, ta._PROGRAMS_PER_SM)]
+    block, warps, progs, _ = seam.launch_tuning()
+    seam.set_launch_tuning(block, warps, progs, 0)
+    configs = [(block, warps, progs)]
     if args.sweep:
         configs = list(itertools.product((1024, 2048, 4096), (4, 8), (2, 4, 8, 16)))
     for name, (count, shape) in SETS.items():
@@ -51,7 +53,7 @@ def main() -> None:
 
 
 def _run_set(name, count, shape, dev, bw, configs, iters) -> None:
-    from mfsdp_optim.optim import _triton_adam as ta
+    from mfsdp_optim.optim import seam
 
     group = dict(
         lr=1e-3,
@@ -62,7 +64,7 @@ def _run_set(name, count, shape, dev, bw, configs, iters) -> None:
         maximize=False,
         decoupled_weight_decay=True,
     )
-    tri = ta.TritonAdam()
+    tri = seam.TritonAdam()
 
     def make():
         return [torch.randn(shape, device=dev) for _ in range(count)]
@@ -113,7 +115,7 @@ def _run_set(name, count, shape, dev, bw, configs, iters) -> None:
         f"({base['torch+clip'] / floor:.2f}x)"
     )
     for block, warps, progs in configs:
-        ta._BLOCK, ta._NUM_WARPS, ta._PROGRAMS_PER_SM = block, warps, progs
+        seam.set_launch_tuning(block, warps, progs, seam.launch_tuning()[3])
         holder.triton_table = None
         fns = {"triton": triton_step, "kept": kept_step, "torch": torch_step}
         t = _interleaved(dev, fns, 3, iters)

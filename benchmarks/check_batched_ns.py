@@ -20,7 +20,7 @@ import torch
 from bench_muon import _timed  # the same synchronised timer
 from torch.optim._muon import _zeropower_via_newtonschulz
 
-from mfsdp_optim.optim.whole_seam import batched_newton_schulz
+from mfsdp_optim.optim.seam import batched_newton_schulz
 
 COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 STEPS, EPS = 5, 1e-7

@@ -1,7 +1,7 @@
 """The third-party conformance run: every optimizer class of pytorch-optimizer's
 ``get_supported_optimizers()``, lion-pytorch's Lion and torchao's low-bit AdamW under the
 wrapper on 4 CPU gloo ranks, on three layouts, against the same class on the unsharded params
-fed the very same grads (``mfsdp_optim.optim._classify.trial``).
+fed the very same grads (``trial``, from ``mfsdp_optim.optim.seam``).
 
     python scripts/conformance.py            # the whole run: docs/conformance.json + the table
     python scripts/conformance.py --kinds    # also each class on local shards and whole params
@@ -78,7 +78,7 @@ _POOL: list = [None]  # the pool in use (replaced after a crash)
 
 def run_one(pool, target: str, kwargs: dict, kinds: tuple) -> dict:
     """One class: the single-process references, then each kind on each layout."""
-    from mfsdp_optim.optim._classify import LAYOUTS, load_class, references, trial
+    from mfsdp_optim.optim.seam import LAYOUTS, load_class, references, trial
 
     cls = load_class(target)
     row: dict = {"references": references(cls, kwargs, STEPS)}
@@ -113,7 +113,7 @@ def _whole_evidence(pool, row: dict) -> None:
         return
     local = row.get("elementwise", {})
     if local and not all(r.get("exact") for r in local.values()):
-        from mfsdp_optim.optim._classify import load_class  # noqa: F401 - rows hold targets
+        from mfsdp_optim.optim.seam import load_class  # noqa: F401 - rows hold targets
 
         target, kwargs = row["target"], row["kwargs"]
         extra = run_one(pool, target, kwargs, ("whole_param",))
@@ -128,8 +128,7 @@ def _package_kind(row: dict) -> str | None:
 
     import torch
 
-    from mfsdp_optim.optim._classify import load_class
-    from mfsdp_optim.optim._kinds import kind_of
+    from mfsdp_optim.optim.seam import kind_of, load_class
 
     try:
         cls = load_class(row["target"])
@@ -227,7 +226,7 @@ def main() -> int:
     import torch
     from _ranks import get_pool
 
-    from mfsdp_optim.optim._classify import LAYOUTS
+    from mfsdp_optim.optim.seam import LAYOUTS
 
     # the whole-param evidence of a class the package steps on whole params is its package
     # column (the same trial); other classes get it only where elementwise differs

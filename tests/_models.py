@@ -60,7 +60,7 @@ def llama_hsdp_metas(world, replicas, layers=16, *, dtype="torch.bfloat16", norm
     """The planner's metas of ``layers`` layers of the Llama-like 1B set (its matrices, and
     with ``norms`` its two 2048-long norm weights) under HSDP: ``replicas`` replica groups
     (Replicate on mesh dim 0) of ``world // replicas`` shards (Shard(0) on dim 1)."""
-    from mfsdp_optim.optim.whole_seam import ParamMeta
+    from mfsdp_optim.optim.seam import ParamMeta
 
     shapes = LLAMA_MATRICES + ([(2048,), (2048,)] if norms else [])
     return [

@@ -9,7 +9,7 @@ purpose; docs/internals.md says so). On a user page none of these may appear, in
 * a test node ID (``file.py::test_x``, ``test_x[param]``) or a bare test function name in code
   (`` `test_x` ``); test files (``tests/docs/test_docs.py``) may be named;
 * a private module of the package: any module or package under ``src/mfsdp_optim`` whose name
-  starts with ``_`` (``_infra``, ``stats/_reduce.py``, ``optim._dispatch``).
+  starts with ``_`` (``_infra``, ``stats/_reduce.py``, ``optim._engines._route``).
 
 The docstrings of the public API (what the API page renders: the public modules, every name of
 their ``__all__`` and its public members) follow the same rule for private modules, and name no
@@ -101,7 +101,7 @@ def test_the_patterns_flag_each_kind(patterns):
         "`test_refused[S1 plain]`",
         "Tests: `test_inspect_cli`.",
         "`stats._reduce.reduce_buckets_deferred`",
-        "`optim/_dispatch.py`",
+        "`optim/_engines/_route.py`",
         "`_infra`",
         "mfsdp_optim._version",
     ]

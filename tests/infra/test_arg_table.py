@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from mfsdp_optim._infra import device_table
-from mfsdp_optim.optim import _triton_adam
-from mfsdp_optim.optim._triton_adam import AdamTable, TritonAdam
+from mfsdp_optim.optim._engines import _triton_adam
+from mfsdp_optim.optim._engines._triton_adam import AdamTable, TritonAdam
 from mfsdp_optim.stats import _fused
 
 GROUP = dict(

@@ -26,13 +26,12 @@ The rules (stdlib ``ast`` only: no module of the package or of benchmarks/ is im
    ``x``. The root package is exempt (its docstring is the package's one-line summary; its
    sub-packages are the layers that docs/internals.md draws).
 
-The ratchet: each rule's DEBT holds today's findings exactly, keyed by file and name (never a
-line number, so an unrelated edit does not break it). A finding not in DEBT fails (a new
-violation: fix it, the message says how); a DEBT entry that no longer occurs fails too (delete
-it: the list only shrinks). Counts are exact (an occurrence more fails, one fewer asks for the
-lower number), except a long function's length, which is a ceiling (it may shrink freely, not
-grow). A module moved by a rename carries its entries: rename their keys in the same commit. The
-DEBT lists are the remaining work of issue 48 (docs/internals.md, "The source tree").
+The ratchet: each rule's DEBT holds the findings a rule tolerates, keyed by file and name (never a
+line number). All are empty: issue 48 brought every rule to zero, so any finding fails (the
+message says how to fix it). Should a rule ever be tightened before the tree meets it, its
+findings go into DEBT, which then only shrinks: a DEBT entry that no longer occurs fails too,
+counts are exact, except a long function's length, which is a ceiling. A module moved by a
+rename carries its entries: rename their keys in the same commit.
 """
 
 from __future__ import annotations
@@ -57,85 +56,28 @@ LAYERS = ("_infra", "stats", "optim", "checkpoint", "integrations")  # as test_l
 MAX_MODULES = 12
 MAX_LINES = 80
 
-# -- today's findings: the open work of issue 48 (only ever deleted from or lowered) ------------
+# -- tolerated findings: none since issue 48 (only ever deleted from or lowered) ---------------
 
 # rule 1: the modules of each import cycle (names below mfsdp_optim)
-CYCLE_DEBT: set[tuple[str, ...]] = {
-    ("optim._captured", "optim._optimizer"),  # TYPE_CHECKING one way, deferred the other
-}
+CYCLE_DEBT: set[tuple[str, ...]] = set()
 
 # rule 2, src/: (file below src/mfsdp_optim, the access as written) -> occurrences
-PRIVATE_ACCESS_DEBT: dict[tuple[str, str], int] = {
-    # the captured step reads the wrapper, its engines, the scaler and the fast step
-    ("optim/_captured.py", "e.fast._groups"): 3,
-    ("optim/_captured.py", "e.triton._tickets"): 1,
-    ("optim/_captured.py", "fast._groups"): 3,
-    ("optim/_captured.py", "from ._engine import _frozen_values"): 1,
-    ("optim/_captured.py", "scaler._cache"): 3,
-    ("optim/_captured.py", "scaler._device"): 2,
-    ("optim/_captured.py", "scaler._device_stale"): 1,
-    ("optim/_captured.py", "self.wrapper._agreement"): 1,
-    ("optim/_captured.py", "self.wrapper._engines"): 4,
-    ("optim/_captured.py", "w._agreement"): 2,
-    ("optim/_captured.py", "w._engines"): 5,
-    ("optim/_captured.py", "w._stage"): 2,
-    ("optim/_captured.py", "wrapper._engines"): 3,
-    ("optim/_classify.py", "opt._engines"): 1,
-    # inherited: OptimizerSurface (optim/_surface.py) defines it
-    ("optim/_optimizer.py", "self._engines"): 8,
-}
+PRIVATE_ACCESS_DEBT: dict[tuple[str, str], int] = {}
 
 # rule 2, benchmarks/ scripts/ examples/: (file, the access as written) -> occurrences
-TOOLS_PRIVATE_ACCESS_DEBT: dict[tuple[str, str], int] = {
-    ("benchmarks/bench_loop.py", "ct.opt._captured"): 1,
-    ("benchmarks/bench_replay.py", "device_table._bulk_check"): 1,
-    ("benchmarks/bench_replay.py", "self.wrapper._engines"): 2,
-    ("benchmarks/bench_replay.py", "w._captured"): 4,
-    ("benchmarks/bench_step.py", "device_table._bulk_check"): 1,
-    ("benchmarks/bench_step.py", "w._captured"): 1,
-    ("benchmarks/bench_step.py", "wrapper._engines"): 1,
-    ("benchmarks/bench_triton_adam.py", "ta._BLOCK"): 2,
-    ("benchmarks/bench_triton_adam.py", "ta._MIN_MEAN_NUMEL"): 1,
-    ("benchmarks/bench_triton_adam.py", "ta._NUM_WARPS"): 2,
-    ("benchmarks/bench_triton_adam.py", "ta._PROGRAMS_PER_SM"): 2,
-}
+TOOLS_PRIVATE_ACCESS_DEBT: dict[tuple[str, str], int] = {}
 
 # rule 3: folder below src/ -> modules in it
-FOLDER_DEBT: dict[str, int] = {
-    "mfsdp_optim/optim": 23,  # whole_seam.py (i48w) included: the optim Map rewrite names it
-}
+FOLDER_DEBT: dict[str, int] = {}
 
 # rule 4: (file below src/mfsdp_optim, function's qualified name) -> lines of code (a ceiling)
-LONG_FUNCTION_DEBT: dict[tuple[str, str], int] = {
-    ("optim/_fast_step.py", "FastAdamStep._step_group"): 100,
-}
+LONG_FUNCTION_DEBT: dict[tuple[str, str], int] = {}
 
 # rule 5: (file, the private module or name imported) -> occurrences
-TOOLS_PRIVATE_IMPORT_DEBT: dict[tuple[str, str], int] = {
-    ("benchmarks/bench_replay.py", "mfsdp_optim._infra.device_table"): 1,
-    ("benchmarks/bench_replay.py", "mfsdp_optim.optim._captured.CapturedStep"): 1,
-    ("benchmarks/bench_replay.py", "mfsdp_optim.optim._graph.Inputs"): 1,
-    ("benchmarks/bench_step.py", "mfsdp_optim._infra.device_table"): 1,
-    ("benchmarks/bench_triton_adam.py", "mfsdp_optim.optim._triton_adam"): 2,
-    ("scripts/conformance.py", "mfsdp_optim.optim._classify.LAYOUTS"): 2,
-    ("scripts/conformance.py", "mfsdp_optim.optim._classify.load_class"): 3,
-    ("scripts/conformance.py", "mfsdp_optim.optim._classify.references"): 1,
-    ("scripts/conformance.py", "mfsdp_optim.optim._classify.trial"): 1,
-    ("scripts/conformance.py", "mfsdp_optim.optim._kinds.kind_of"): 1,
-}
+TOOLS_PRIVATE_IMPORT_DEBT: dict[tuple[str, str], int] = {}
 
 # rule 6: modules (a sub-package: its folder) that their folder's Map does not name
-MAP_DEBT: set[str] = {
-    "integrations/_torchtitan_trainer.py",
-    "optim/_captured.py",
-    "optim/_checkpointing.py",
-    "optim/_engine.py",
-    "optim/_graph.py",
-    "optim/_prepared.py",
-    "optim/_surface.py",
-    "optim/_whole/",
-    "optim/whole_seam.py",  # i48w: named in optim's Map when i48o's rewrite of it lands
-}
+MAP_DEBT: set[str] = set()
 
 
 # -- the tree ----------------------------------------------------------------------------------

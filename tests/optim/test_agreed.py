@@ -127,8 +127,7 @@ def _bases(path, params):
 
 def _wrapper(path, params):
     from mfsdp_optim import DynamicGradScaler, FullyShardedOptimizer, OptimizerConfig
-    from mfsdp_optim.optim._captured import CapturedStep
-    from mfsdp_optim.optim._graph import EagerRunner
+    from mfsdp_optim.optim._captured._graph import EagerRunner
 
     holder = torch.nn.Module()
     for i, p in enumerate(params):
@@ -143,7 +142,7 @@ def _wrapper(path, params):
     )
     if path == "captured":
         w.config = OptimizerConfig(clip_grad=1.0, host_sync=False, cuda_graph=True)
-        w._captured = CapturedStep(w, runner=EagerRunner())
+        w._captured = w._captured_step(runner=EagerRunner())
     return w
 
 

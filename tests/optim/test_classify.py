@@ -19,8 +19,8 @@ import torch
 from _models import ELEMENTWISE_KWARGS
 
 from mfsdp_optim.optim import Classification, classify_update
-from mfsdp_optim.optim._classify import classify_with, trial
-from mfsdp_optim.optim._kinds import known_kind
+from mfsdp_optim.optim._kinds._classify import classify_with, trial
+from mfsdp_optim.optim._kinds._kind_of import known_kind
 
 KWARGS = {
     **ELEMENTWISE_KWARGS,

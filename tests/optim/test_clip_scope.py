@@ -378,7 +378,7 @@ def test_clip_scope_on_cuda_follows_torch(tmp_path, scope, host_sync, triton):
     from torch.distributed.tensor import DTensor, Shard
 
     from mfsdp_optim import FullyShardedOptimizer, OptimizerConfig
-    from mfsdp_optim.optim._triton_adam import TritonAdam
+    from mfsdp_optim.optim._engines._triton_adam import TritonAdam
 
     if triton and not TritonAdam.available():
         pytest.skip("needs Triton")

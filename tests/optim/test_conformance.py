@@ -80,7 +80,7 @@ def test_every_recorded_row_is_exact_or_refused():
 
 
 def test_every_registry_entry_is_justified_by_the_recorded_run():
-    from mfsdp_optim.optim._registry import NOT_REGISTERED, REGISTRY
+    from mfsdp_optim.optim._kinds._registry import NOT_REGISTERED, REGISTRY
 
     by_target = {row["target"]: row for row in ROWS.values()}
     for (module, name), (kind, _) in REGISTRY.items():
@@ -110,7 +110,7 @@ def test_every_registry_entry_is_justified_by_the_recorded_run():
 
 
 def _live(ranks, name):
-    from mfsdp_optim.optim._classify import LAYOUTS, load_class, references, trial
+    from mfsdp_optim.optim._kinds._classify import LAYOUTS, load_class, references, trial
 
     row = ROWS[name]
     target, kwargs = row["target"], row["kwargs"]
@@ -135,8 +135,8 @@ def test_conformance_live(ranks, name):
 
 def _rank_planted(target):
     """A registry entry planted wrong (a whole-param class as elementwise) in this rank."""
-    from mfsdp_optim.optim import _registry
-    from mfsdp_optim.optim._classify import trial
+    from mfsdp_optim.optim._kinds import _registry
+    from mfsdp_optim.optim._kinds._classify import trial
 
     module, _, name = target.partition(":")
     _registry.REGISTRY[(module, name)] = ("elementwise", "planted")

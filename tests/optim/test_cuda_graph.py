@@ -88,7 +88,7 @@ def test_captured_matches_eager_bit_for_bit(tmp_path, variant):
     import torch.distributed as dist
 
     from mfsdp_optim import DynamicGradScaler, FullyShardedOptimizer, OptimizerConfig
-    from mfsdp_optim.optim._triton_adam import TritonAdam
+    from mfsdp_optim.optim._engines._triton_adam import TritonAdam
 
     triton = variant == "triton"
     if triton and not TritonAdam.available():

@@ -24,7 +24,7 @@ CLASSES = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 @contextlib.contextmanager
 def _generic():
     """Force the generic path while the block runs."""
-    from mfsdp_optim.optim._dispatch import DISABLE_FAST_STEP_ENV as DISABLE_ENV
+    from mfsdp_optim.optim._engines._route import DISABLE_FAST_STEP_ENV as DISABLE_ENV
 
     old = os.environ.get(DISABLE_ENV)
     os.environ[DISABLE_ENV] = "1"
@@ -409,7 +409,7 @@ def _rank_training(fused):
     from _layouts import get_mesh
     from test_optimizer import _train_and_compare
 
-    from mfsdp_optim.optim._fast_step import FastAdamStep
+    from mfsdp_optim.optim._engines._fast_step import FastAdamStep
 
     mesh = get_mesh((dist.get_world_size(),))
     original = FastAdamStep.step

@@ -1,8 +1,8 @@
 """The captured step's bookkeeping (``OptimizerConfig(cuda_graph=True)``), on CPU.
 
-``optim._graph`` is pure bookkeeping: what a capture depends on (``Inputs``), the per-step
+``optim._captured._graph`` is pure bookkeeping: what a capture depends on (``Inputs``), the per-step
 scalars in device memory (``ScalarSlots``), the host counters a replay bumps (``Counters``) and
-the decision at each step (``StepGraph.plan``). The wrapper's glue (``optim._captured``) runs
+the decision at each step (``StepGraph.plan``). The wrapper's glue (``optim._captured._step``) runs
 here with ``EagerRunner``, which runs the "captured" body again at every replay: the same
 decisions (capture, replay, re-capture after a moved grad, eager with one warning) and the lr
 slots the update reads, checked against a plain eager wrapper fed the same grads, bit for bit.
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mfsdp_optim import OptimizerConfig
-from mfsdp_optim.optim._graph import (
+from mfsdp_optim.optim._captured._graph import (
     MIN_REPLAYS,
     Counters,
     EagerRunner,
@@ -162,7 +162,6 @@ def _pair(base_cls, base_kw, scaler_cls=None, split=False):
     from _layouts import get_mesh
 
     from mfsdp_optim import DynamicGradScaler, FullyShardedOptimizer
-    from mfsdp_optim.optim._captured import CapturedStep
 
     mesh = get_mesh((dist.get_world_size(),))
     gen = torch.Generator().manual_seed(0)
@@ -185,7 +184,7 @@ def _pair(base_cls, base_kw, scaler_cls=None, split=False):
         )
         if captured:
             w.config = OptimizerConfig(clip_grad=0.5, host_sync=False, cuda_graph=True)
-            w._captured = CapturedStep(w, runner=EagerRunner())
+            w._captured = w._captured_step(runner=EagerRunner())
         out.append((w, ps))
     return mesh, out
 
@@ -381,7 +380,7 @@ def _rank_moves_seen(check_all: bool, split: bool, chunk: int | None = None):
     from torch.distributed.tensor import DTensor
 
     from mfsdp_optim._infra.device_table import CHECK_ALL_ENV
-    from mfsdp_optim.optim import _captured
+    from mfsdp_optim.optim._captured import _step as _captured
 
     if check_all:
         os.environ[CHECK_ALL_ENV] = "1"

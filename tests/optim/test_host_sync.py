@@ -193,7 +193,7 @@ def test_host_sync_false_never_syncs_on_cuda(tmp_path, variant):
     import torch.distributed as dist
 
     from mfsdp_optim import DynamicGradScaler, FullyShardedOptimizer, OptimizerConfig
-    from mfsdp_optim.optim._triton_adam import TritonAdam
+    from mfsdp_optim.optim._engines._triton_adam import TritonAdam
 
     triton = variant == "triton"
     if triton and not TritonAdam.available():
@@ -239,7 +239,7 @@ def test_host_sync_true_returns_before_the_update_finishes(tmp_path, variant):
     the state, and first uses compile the Triton kernel and load CUDA modules, which may wait
     for the device (once per process, not per step)."""
     from mfsdp_optim import DynamicGradScaler, FullyShardedOptimizer, OptimizerConfig
-    from mfsdp_optim.optim._triton_adam import TritonAdam
+    from mfsdp_optim.optim._engines._triton_adam import TritonAdam
 
     if variant == "triton" and not TritonAdam.available():
         pytest.skip("needs Triton")

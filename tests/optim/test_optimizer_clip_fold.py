@@ -50,7 +50,7 @@ def _wrapped(cls, kw, fold: bool, bf16: bool, steps: int, device: str):
     from torch.distributed.tensor import DTensor, Shard
 
     from mfsdp_optim import FullyShardedOptimizer, OptimizerConfig
-    from mfsdp_optim.optim._dispatch import DISABLE_CLIP_FOLD_ENV
+    from mfsdp_optim.optim._engines._route import DISABLE_CLIP_FOLD_ENV
 
     mesh = _mesh(device)
     gen = torch.Generator().manual_seed(0)

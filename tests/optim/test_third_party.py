@@ -1,6 +1,6 @@
 """Third-party optimizers under the wrapper (skipped where a library is not installed).
 
-Each class runs through ``mfsdp_optim.optim._classify.trial`` on 4 real gloo ranks: the class
+Each class runs through ``mfsdp_optim.optim._kinds._classify.trial`` on 4 real gloo ranks: the class
 under the wrapper for 5 steps on a layout (1-D uneven with an empty shard, HSDP 2x2, 2-D),
 against the same class on the unsharded params fed the ``full_tensor()`` of the very grads the
 sharded run got, compared with torch.equal. The silent cases of issue 35 (MADGRAD 9.1e-3 off,
@@ -30,7 +30,7 @@ def _target(name: str) -> str:
 
 
 def _trial(ranks, name, layout, kind=None, kwargs=None):
-    from mfsdp_optim.optim._classify import trial
+    from mfsdp_optim.optim._kinds._classify import trial
 
     results = ranks(4).run(trial, _target(name), kwargs or {"lr": 1e-2}, layout, STEPS, kind)
     assert all(r == results[0] or "max_diff" in r for r in results), results
@@ -78,7 +78,7 @@ def test_classes_that_cannot_be_exact_are_refused_at_construction(name, says):
 @pytest.mark.parametrize(("name", "lr"), [("prodigy", 1.0), ("adams", 1e-2), ("avagrad", 1e-2)])
 def test_cross_param_classes_read_across_params_in_plain_torch(name, lr):
     """The registry's evidence: one instance over all params differs from one per param."""
-    from mfsdp_optim.optim._classify import references
+    from mfsdp_optim.optim._kinds._classify import references
 
     refs = references(po.load_optimizer(name), {"lr": lr}, 8)
     assert refs["runs"] and refs["cross_param"] and not refs["random"], refs
@@ -88,7 +88,7 @@ def test_ranger21_reads_across_params_in_plain_torch():
     """The registry's evidence for Ranger21: its weight decay divides by a norm of the second
     moments of every param, so one instance over all params differs from one per param (from
     its 6th step at the default weight decay; at once with a larger one)."""
-    from mfsdp_optim.optim._classify import references
+    from mfsdp_optim.optim._kinds._classify import references
 
     cls = po.load_optimizer("ranger21")
     refs = references(cls, {"lr": 1e-2, "num_iterations": 100, "weight_decay": 0.1}, 3)
@@ -104,8 +104,8 @@ def _rank_dash_stream(layout, isolate, seed=0):
     lifted in this rank for the run (DASH as an unknown class takes the whole-param path)."""
     import pytorch_optimizer.optimizer.dash as dash
 
-    from mfsdp_optim.optim import _registry
-    from mfsdp_optim.optim._classify import trial
+    from mfsdp_optim.optim._kinds import _registry
+    from mfsdp_optim.optim._kinds._classify import trial
 
     real = dash.batched_power_iteration
 
@@ -135,7 +135,7 @@ def test_dash_differs_only_through_the_global_random_stream(ranks):
     with the draws taken from a stream of their own the very same path is bit for bit. The
     classifier sees the draws (the generator moves in ``step()``) even where two seeds give
     the same result."""
-    from mfsdp_optim.optim._classify import references
+    from mfsdp_optim.optim._kinds._classify import references
 
     # whether the other draws move a bf16 estimate by an ulp depends on the draws: over 8 seeds
     # some do (seed 5 in a fresh pool), and every difference is that small
@@ -181,7 +181,7 @@ def _rank_traffic(target):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from mfsdp_optim.optim import FullyShardedOptimizer
-    from mfsdp_optim.optim._classify import _layout_mesh, load_class
+    from mfsdp_optim.optim._kinds._classify import _layout_mesh, load_class
     from mfsdp_optim.optim._whole._exchange import TRAFFIC
 
     mesh = _layout_mesh("1d-uneven-empty")
@@ -221,7 +221,7 @@ def test_a_registered_elementwise_class_exchanges_nothing(ranks):
 
 def test_the_registry_imports_no_library():
     code = (
-        "import sys, mfsdp_optim.optim, mfsdp_optim.optim._kinds;"
+        "import sys, mfsdp_optim.optim, mfsdp_optim.optim._kinds._kind_of;"
         "bad = [m for m in ('pytorch_optimizer', 'lion_pytorch', 'torchao') if m in sys.modules];"
         "assert not bad, bad"
     )
@@ -231,7 +231,7 @@ def test_the_registry_imports_no_library():
 def test_registry_entries_name_real_classes():
     import importlib
 
-    from mfsdp_optim.optim._registry import REGISTRY
+    from mfsdp_optim.optim._kinds._registry import REGISTRY
 
     for module, name in REGISTRY:
         try:
@@ -247,7 +247,7 @@ def test_registered_classes_with_changed_options_take_the_whole_param_path():
     each grad's norm, so the package steps it on whole params and says why."""
     import warnings
 
-    from mfsdp_optim.optim._kinds import kind_of
+    from mfsdp_optim.optim._kinds._kind_of import kind_of
 
     cls = po.load_optimizer("adabelief")
     p = torch.nn.Parameter(torch.zeros(2, 2))
@@ -270,7 +270,7 @@ def test_values_a_registered_class_sets_itself_are_not_options(name):
     an option passed through ``**kwargs`` still counts (schedule-free's ``use_palm=True``)."""
     import warnings
 
-    from mfsdp_optim.optim._kinds import kind_of
+    from mfsdp_optim.optim._kinds._kind_of import kind_of
 
     cls = po.load_optimizer(name)
     p = torch.nn.Parameter(torch.zeros(2, 2))

@@ -80,7 +80,7 @@ def _adam_fp64(group, p, g, m, v, step, divisor):
 @pytest.fixture(autouse=True)
 def _small_tensors_too(monkeypatch):
     """The kernel declines groups of small tensors (host cost); these tests use small ones."""
-    from mfsdp_optim.optim import _triton_adam
+    from mfsdp_optim.optim._engines import _triton_adam
 
     monkeypatch.setattr(_triton_adam, "_MIN_MEAN_NUMEL", 0)
 
@@ -95,7 +95,7 @@ CASES = list(
 @cuda
 @pytest.mark.parametrize("dtype,adamw,maximize,wd,with_divisor", CASES)
 def test_matches_torch_fused(dtype, adamw, maximize, wd, with_divisor):
-    from mfsdp_optim.optim._triton_adam import TritonAdam
+    from mfsdp_optim.optim._engines._triton_adam import TritonAdam
 
     tri = TritonAdam()
     group = _group(adamw, maximize, wd)
@@ -162,7 +162,7 @@ def test_found_inf_gates_the_update(shapes):
     """``found_inf`` = 1 (read by the kernel, as torch's): params, moments and step counters
     stay bit for bit; = 0: bit for bit what the call without it does. Also on a rank whose
     shards are all empty (only the counters move)."""
-    from mfsdp_optim.optim._triton_adam import TritonAdam
+    from mfsdp_optim.optim._engines._triton_adam import TritonAdam
 
     tri = TritonAdam()
     group = _group(True, False, 0.1)
@@ -190,7 +190,7 @@ def test_found_inf_gates_the_update(shapes):
 
 @cuda
 def test_misaligned_and_many_tensors():
-    from mfsdp_optim.optim._triton_adam import TritonAdam
+    from mfsdp_optim.optim._engines._triton_adam import TritonAdam
 
     tri = TritonAdam()
     group = _group(True, False, 0.1)
@@ -227,7 +227,7 @@ def test_misaligned_and_many_tensors():
 
 @cuda
 def test_declines_what_it_does_not_take():
-    from mfsdp_optim.optim._triton_adam import TritonAdam
+    from mfsdp_optim.optim._engines._triton_adam import TritonAdam
 
     tri = TritonAdam()
     p, g, m, v, s = _lists(torch.float32, 3)
@@ -251,7 +251,7 @@ def test_declines_what_it_does_not_take():
 
 def _rank_wrapper(triton: bool):
     """4 clipped AdamW steps through the wrapper on a CUDA mesh vs torch's clip + fused step."""
-    from mfsdp_optim.optim import _triton_adam
+    from mfsdp_optim.optim._engines import _triton_adam
 
     old_min = _triton_adam._MIN_MEAN_NUMEL
     _triton_adam._MIN_MEAN_NUMEL = 0  # small test tensors
@@ -342,7 +342,7 @@ def _rank_unbuildable():
     on the same data: one warning, then torch's kernel, bit for bit."""
     import warnings
 
-    from mfsdp_optim.optim import _triton_adam
+    from mfsdp_optim.optim._engines import _triton_adam
 
     saved = dict(_triton_adam._state)
     _triton_adam._state.update(kernel=_Unbuildable(), failed=False)
@@ -430,7 +430,7 @@ def test_option_is_inert_on_cpu(ranks):
 
 @cuda
 def test_declines_small_tensors_by_default(monkeypatch):
-    from mfsdp_optim.optim import _triton_adam
+    from mfsdp_optim.optim._engines import _triton_adam
 
     monkeypatch.undo()  # the default threshold
     tri = _triton_adam.TritonAdam()
@@ -482,7 +482,7 @@ def _torch_adamw_(p, g, m, v, s, divisor):
 def test_kept_table_3000_small_tensors(monkeypatch, realloc):
     """3000 small tensors through a kept table at the default size rule, against torch's
     kernel, with the grads re-allocated between steps or not."""
-    from mfsdp_optim.optim import _triton_adam
+    from mfsdp_optim.optim._engines import _triton_adam
 
     monkeypatch.undo()  # the default threshold: a kept table takes small tensors anyway
     tri, holder = _triton_adam.TritonAdam(), _Holder()
@@ -542,7 +542,7 @@ def test_kept_table_under_graph_capture():
     call on the capturing stream built and pointed at these grads (a capture uploads nothing);
     the replays read the hyperparameters from the table, patched between replays, and match
     eager calls of the same kernel bit for bit, the found_inf gate included."""
-    from mfsdp_optim.optim import _triton_adam
+    from mfsdp_optim.optim._engines import _triton_adam
 
     tri, holder = _triton_adam.TritonAdam(), _Holder()
     group = _group(True, False, 0.1)

@@ -157,7 +157,7 @@ def test_captured_muon_and_adamw_match_eager_bit_for_bit(tmp_path, variant):
     """Step 0 builds Muon's plan (eager), step 1 warms up and captures, the rest replay: bit
     for bit the eager host_sync=False wrapper, the skip at the planted inf included."""
     from mfsdp_optim import OptimizerConfig
-    from mfsdp_optim.optim._triton_adam import TritonAdam
+    from mfsdp_optim.optim._engines._triton_adam import TritonAdam
 
     triton = variant == "triton"
     if triton and not TritonAdam.available():

@@ -437,15 +437,14 @@ def _rank_captured_muon(muon_lr_change_at):
     from test_reliability_whole import _chain_params
 
     from mfsdp_optim import OptimizerConfig
-    from mfsdp_optim.optim._captured import CapturedStep
-    from mfsdp_optim.optim._graph import EagerRunner
+    from mfsdp_optim.optim._captured._graph import EagerRunner
 
     specs, _ = _chain_params()
     (pc, wc), (pe, we) = [_pair(lambda: _chain_params()[1], False, scaler=True) for _ in "ce"]
     wc.config = OptimizerConfig(
         clip_grad=0.5, log_num_zeros_in_grad=True, host_sync=False, cuda_graph=True
     )
-    wc._captured = CapturedStep(wc, runner=EagerRunner())
+    wc._captured = wc._captured_step(runner=EagerRunner())
     history = []
     for step in range(8):
         for params, w in ((pc, wc), (pe, we)):

@@ -3,10 +3,10 @@
 Map: ``DeviceTable`` an int64 host table (element offsets, numels, cumulative block counts)
 mirrored on the device, re-uploaded slice by slice on the current stream; ``addresses`` and
 ``same_addresses`` the per-step check that a list's tensors still sit where the table says (a
-C++ loop on CUDA builds of torch); ``CHECK_ALL_ENV`` / ``check_all_lists`` check every list at
-every step. Used by ``stats._fused`` and ``optim._triton_adam``. Precondition: whoever holds a
-table holds the tensors it describes. Why nothing goes stale unseen: docs/concepts.md, "Kernel
-argument tables".
+C++ loop on CUDA builds of torch: ``bulk_check_available``); ``CHECK_ALL_ENV`` /
+``check_all_lists`` check every list at every step. Used by ``stats._fused`` and
+``optim._engines._triton_adam``. Precondition: whoever holds a table holds the tensors it
+describes. Why nothing goes stale unseen: docs/concepts.md, "Kernel argument tables".
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ __all__ = [
     "CHECK_ALL_ENV",
     "DeviceTable",
     "addresses",
+    "bulk_check_available",
     "check_all_lists",
     "same_addresses",
 ]
@@ -28,6 +29,11 @@ __all__ = [
 CHECK_ALL_ENV = "MFSDP_OPTIM_CHECK_ALL_ADDRESSES"
 
 _bulk_check = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+def bulk_check_available() -> bool:
+    """Whether this torch build has the C++ loop ``same_addresses`` uses (else a Python one)."""
+    return _bulk_check is not None
 
 
 def check_all_lists() -> bool:

@@ -2,9 +2,9 @@
 
 Map: ``ALIGNED_ATTRS`` the attributes looked for (apex FusedAdam's ``param_groups_master``);
 ``aligned_lists`` those an optimizer holds, checked to have one entry per param of each group
-(``AlignmentError`` otherwise). Whoever shows an optimizer other params (``optim._views``, the
-checkpoint layer's scratch step) refills these lists in place and restores them; why:
-docs/concepts.md, "Lists kept beside the param groups".
+(``AlignmentError`` otherwise). Whoever shows an optimizer other params
+(``optim._engines._views``, the checkpoint layer's scratch step) refills these lists in place and
+restores them; why: docs/concepts.md, "Lists kept beside the param groups".
 """
 
 from __future__ import annotations

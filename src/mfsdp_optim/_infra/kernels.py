@@ -1,6 +1,6 @@
 """Device helpers that the package's Triton kernels share (the stats kernel in ``stats._fused``,
-the Adam update in ``optim._triton_adam``): Triton device functions, the SM count, and the
-element offsets through which a kernel addresses every tensor of a list from the first one's
+the Adam update in ``optim._engines._triton_adam``): Triton device functions, the SM count, and
+the element offsets through which a kernel addresses every tensor of a list from the first one's
 pointer. Nothing here imports Triton until a kernel asks for it."""
 
 from __future__ import annotations

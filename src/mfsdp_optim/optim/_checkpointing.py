@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from .._infra.params import ParamRecord
-from ._engine import Engine
-from ._kinds import WHOLE_PARAM
+from ._engines._engine import Engine
+from ._kinds._kind_of import WHOLE_PARAM
 
 __all__ = ["build_state_dict", "load_state_dict"]
 

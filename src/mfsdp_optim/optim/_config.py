@@ -10,7 +10,7 @@ from dataclasses import KW_ONLY, dataclass, field
 import torch.distributed as dist
 
 from ..stats.seam import check_norm_type
-from ._kinds import check_update_kinds
+from ._kinds._kind_of import check_update_kinds
 
 __all__ = ["OptimizerConfig"]
 

@@ -149,6 +149,21 @@ class GradScaler:
             pair = (scale.to(torch.float32), (1.0 / scale).to(torch.float32))
         self._cache = {scale.device: pair}
 
+    def device_tensors(self, device: torch.device) -> list[torch.Tensor]:
+        """The device tensors a captured step on ``device`` reads: the device copy of the host
+        fields (empty until a device update made one) and the ``(scale, inv_scale)`` pair
+        cached on ``device``, if any."""
+        return [*self._device.values(), *self._cache.get(device, ())]
+
+    def replayed_on(self, device: torch.device) -> None:
+        """A captured step's replay on ``device`` ran the device update (what
+        ``_device_updated`` records when it runs eagerly): the host fields are stale, the pairs
+        cached on other devices too. Nothing to do before a device copy exists."""
+        if self._device:
+            self._device_stale = True
+            pair = self._cache.get(device)
+            self._cache = {device: pair} if pair is not None else {}
+
     # -- the scale -------------------------------------------------------------------------
     @property
     def scale(self) -> torch.Tensor:

@@ -1,32 +1,41 @@
 """``FullyShardedOptimizer``: any ``torch.optim`` optimizer (or several) over DTensor params.
 
-The step contract: prepare (``_prepared``: unscale, cast, ONE grad_stats collective over every
+The step contract: prepare (``_step_data``: unscale, cast, ONE grad_stats collective over every
 base optimizer's grads, each one's norm in the same row) -> found_inf and a grad scaler: skip on
 every rank, update the scaler -> clip to ``config.clip_grad`` under ``config.clip_scope`` -> each
-engine's base step (``_engine``) -> restore cast grads.
-This class keeps the stages, the config and the checkpoint adapter (``_checkpointing``); the
-stock optimizer surface is ``_surface.OptimizerSurface``; each base optimizer's caches live in
-its ``Engine``.
+engine's base step (``_engines``) -> restore cast grads.
+This class is the whole wrapper: the stock optimizer surface (torch's hook dicts,
+``param_groups``/``state``/``defaults``, the base optimizers' own objects, ``zero_grad``,
+torch's ``state_dict`` layout, the grad scaler's state), the stages and the step, and the
+checkpoint adapter (``_checkpointing``); its ``step`` runs under torch's step-hook contract
+(``_step_hooks``); each base optimizer's caches live in its ``Engine``.
 """
 
 from __future__ import annotations
 
+import collections
 import enum
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from .._infra.caches import clear_all
 from .._infra.grouping import by_device_dtype
 from ..stats.seam import check_max_norm, clip_divisor, scale_by_clip_coef_
 from . import _checkpointing
 from ._agreed import AgreedSlots
 from ._config import OptimizerConfig
+from ._engines._engine import Engine, check_disjoint
 from ._grad_scaler import GradScaler
-from ._prepared import Prepared, StepResult, clip_norms, prepare, stats_of
-from ._surface import OptimizerSurface, with_step_hooks
+from ._step_data import Prepared, StepResult, clip_norms, prepare, stats_of
+from ._step_hooks import with_step_hooks
 
 __all__ = ["FullyShardedOptimizer", "OptimizerConfig", "Stage"]
+
+_STOCK_KEYS = frozenset({"state", "param_groups"})
+_SHARDED_KEYS = frozenset({"state", "param_to_group_meta"})
 
 
 class Stage(enum.Enum):
@@ -37,7 +46,7 @@ class Stage(enum.Enum):
     STEPPED = "STEPPED"  # the grads were used; zero_grad() or the next backward next
 
 
-class FullyShardedOptimizer(OptimizerSurface):
+class FullyShardedOptimizer(torch.optim.Optimizer):
     """Any ``torch.optim.Optimizer`` over DTensor params (FSDP2, HSDP, TP+FSDP, expert meshes).
 
     Args:
@@ -78,7 +87,37 @@ class FullyShardedOptimizer(OptimizerSurface):
         init_state_fn: Callable[[torch.optim.Optimizer], None] | None = None,
         model_chunks: Sequence[torch.nn.Module] = (),
     ):
-        super().__init__(optimizer, config, grad_scaler, model_chunks)
+        bases = _check_bases(optimizer)
+        if config is not None and not isinstance(config, OptimizerConfig):
+            raise TypeError(f"config must be an OptimizerConfig, got {type(config).__name__}")
+        if grad_scaler is not None and not isinstance(grad_scaler, GradScaler):
+            raise TypeError(
+                "grad_scaler must be a mfsdp_optim GradScaler (ConstantGradScaler or "
+                f"DynamicGradScaler), got {type(grad_scaler).__name__}"
+            )
+        # torch.optim.Optimizer.__init__ without the param groups (the base optimizers own them)
+        for kind in ("step_pre", "step_post", "state_dict_pre", "state_dict_post"):
+            setattr(self, f"_optimizer_{kind}_hooks", OrderedDict())
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()  # a subclass's own step(): torch's hooks around it
+        self.optimizers = bases
+        self.config = config if config is not None else OptimizerConfig()
+        self.grad_scaler = grad_scaler
+        self.model_chunks = list(model_chunks)
+        if len(bases) > 1 and not self.model_chunks:
+            raise ValueError(
+                f"{len(bases)} base optimizers were given without model_chunks: without them a "
+                "param is named by its position in its own optimizer ('param_groups.<g>.params."
+                "<j>'), so the names of different optimizers collide in checkpoints and in the "
+                "whole-param exchange. Pass model_chunks=[model] (the modules whose "
+                "named_parameters() hold the params) to name every param by its FQN."
+            )
+        names = [f"optimizers[{i}]" if len(bases) > 1 else "" for i in range(len(bases))]
+        self._engines = [
+            Engine(o, self.model_chunks, self.config, n) for o, n in zip(bases, names, strict=True)
+        ]
+        check_disjoint(self._engines)
         self._init_state_fn = init_state_fn
         self._stage = Stage.READY
         # the last step(), for trainers that discard its return value (see step())
@@ -94,11 +133,235 @@ class FullyShardedOptimizer(OptimizerSurface):
                 f"OptimizerConfig.clip_scope={scope!r} names base optimizer {scope[-1]}, but the "
                 f"wrapper has {len(self.optimizers)} (indices 0 to {len(self.optimizers) - 1})"
             )
-        self._captured: Any = None  # OptimizerConfig(cuda_graph=True): _captured.CapturedStep
+        self._captured: Any = None  # OptimizerConfig(cuda_graph=True): _captured._step.CapturedStep
         if self.config.cuda_graph:
-            from ._captured import CapturedStep
+            self._captured = self._captured_step()
 
-            self._captured = CapturedStep(self)
+    def _captured_step(self, runner: Any = None, step_class: Any = None) -> Any:
+        """A ``CapturedStep`` (or ``step_class``, a subclass) over this wrapper's engines, agreed
+        slots and stage (``runner``: tests and benchmarks, instead of a CUDA graph)."""
+        from ._captured._step import CapturedStep
+
+        return (step_class or CapturedStep)(
+            self,
+            self._engines,
+            self._agreement,
+            stage_of=self._stage_now,
+            set_stage=self._set_stage,
+            runner=runner,
+        )
+
+    def _stage_now(self) -> Stage:
+        return self._stage
+
+    def _set_stage(self, stage: Stage) -> None:
+        self._stage = stage
+
+    # ------------------------------------------------------------------------------------------
+    # torch.optim.Optimizer surface
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The base optimizer (with several, use ``optimizers``)."""
+        if len(self.optimizers) != 1:
+            raise AttributeError(
+                f"this FullyShardedOptimizer wraps {len(self.optimizers)} base optimizers; use "
+                "wrapper.optimizers (a list) instead of wrapper.optimizer"
+            )
+        return self.optimizers[0]
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        if len(self.optimizers) == 1:
+            return self.optimizers[0].param_groups
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizers[0].defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    @property
+    def state(self):  # type: ignore[override]
+        """The base optimizers' state, keyed by the model's DTensor params (read-only view
+        over several)."""
+        if len(self.optimizers) == 1:
+            return self.optimizers[0].state
+        return collections.ChainMap(*[o.state for o in self.optimizers])
+
+    @state.setter
+    def state(self, value) -> None:
+        self.optimizer.state = value
+
+    @property
+    def fast_steps(self) -> int:
+        """Steps that took the fast Adam path, summed over engines (for tests, diagnostics)."""
+        return sum(e.fast_steps for e in self._engines)
+
+    @property
+    def clip_folds(self) -> int:
+        """Steps whose clip rode on a fused base step (for tests and diagnostics)."""
+        return max(e.clip_folds for e in self._engines)
+
+    @property
+    def prepare_replays(self) -> int:
+        """How many prepares replayed the recorded plan (for tests and diagnostics)."""
+        return max(e.preparer.replays for e in self._engines)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group of DTensor params to the base optimizer; validated like the
+        constructor's groups, and on an error nothing is added."""
+        engine = self._engines[0] if len(self._engines) == 1 else None
+        if engine is None:
+            raise TypeError("add the group to one of wrapper.optimizers: they are several")
+        before = len(engine.optimizer.param_groups)
+        engine.optimizer.add_param_group(param_group)
+        try:
+            engine.table.rebuild()
+        except Exception:
+            del engine.optimizer.param_groups[before:]
+            raise
+        self.invalidate_caches()
+
+    def invalidate_caches(self) -> None:
+        """Drop every cached view and kernel table (rebuilt at the next step). The wrapper
+        notices new param groups, a new state mapping and replaced local shards itself; call
+        this after replacing a value inside ``optimizer.state[p]`` by hand."""
+        for e in self._engines:
+            e.invalidate()
+        clear_all()  # the stats layer's module-level caches (``_infra.caches``)
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            "FullyShardedOptimizer is not picklable; checkpoint it with state_dict() or "
+            "sharded_state_dict()"
+        )
+
+    def __repr__(self) -> str:
+        inner = ", ".join(repr(o) for o in self.optimizers)
+        return f"FullyShardedOptimizer({inner}, config={self.config!r})"
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the params' grads (and any cast copies); back to stage READY.
+
+        Args:
+            set_to_none: Set the grads to None (True) or zero them in place (False).
+        """
+        grads: list[torch.Tensor] = []
+        for e in self._engines:
+            e.drop()
+            for g in e.optimizer.param_groups:
+                for p in g["params"]:
+                    if set_to_none:
+                        p.grad = None
+                    elif p.grad is not None:
+                        grads.append(p.grad)
+        for tensors in by_device_dtype(grads).values():
+            torch._foreach_zero_(tensors)
+        self._stage = Stage.READY
+
+    # ------------------------------------------------------------------------------------------
+    # torch's state dict layout and the grad scaler's state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The base optimizer's stock torch state dict (what ``get_optimizer_state_dict`` reads).
+
+        Raises:
+            NotImplementedError: With ``OptimizerConfig(filter_empty_shards=True)`` (ranks that
+                filtered a param hold no state for it, so the stock layout would differ between
+                ranks), or with several base optimizers (use ``wrapper.optimizers`` with the
+                stock helpers, or ``sharded_state_dict()``).
+        """
+        if self.config.filter_empty_shards:
+            raise NotImplementedError(
+                "state_dict() is not available with OptimizerConfig(filter_empty_shards=True): "
+                "params with an empty local shard have no optimizer state on their rank, so the "
+                "stock layout would differ between ranks. Use sharded_state_dict() with "
+                "torch.distributed.checkpoint instead."
+            )
+        if len(self.optimizers) != 1:
+            raise NotImplementedError(
+                f"state_dict() is torch's layout of ONE optimizer; this wrapper has "
+                f"{len(self.optimizers)}. Use get_optimizer_state_dict(model, wrapper.optimizers) "
+                "or sharded_state_dict()."
+            )
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        sd = self.optimizer.state_dict()
+        for post in self._optimizer_state_dict_post_hooks.values():
+            out = post(self, sd)
+            if out is not None:
+                sd = out
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load either layout, told apart by its top-level keys.
+
+        Args:
+            state_dict: torch's own layout (``state``/``param_groups``, from
+                [state_dict()][mfsdp_optim.optim.FullyShardedOptimizer.state_dict] or
+                ``get_optimizer_state_dict``), handed to the base optimizer, or the
+                fsdp_dtensor layout of ``sharded_state_dict()`` (after DCP filled it),
+                validated on every rank before anything changes.
+
+        Raises:
+            ValueError: The top-level keys are neither layout's.
+            StateDictMismatchError: The fsdp_dtensor state dict does not fit the optimizers (a
+                ValueError, on every rank; no optimizer changed).
+        """
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            out = hook(self, state_dict)
+            if out is not None:
+                state_dict = out
+        keys = set(state_dict) if isinstance(state_dict, dict) else None
+        self.invalidate_caches()
+        try:
+            if keys == _STOCK_KEYS:
+                self.optimizer.load_state_dict(state_dict)
+            elif keys == _SHARDED_KEYS:
+                _checkpointing.load_state_dict(self._engines, state_dict)
+            else:
+                got = sorted(keys) if keys is not None else type(state_dict).__name__
+                raise ValueError(
+                    f"load_state_dict() got a state dict with top-level keys {got}; expected "
+                    f"{sorted(_STOCK_KEYS)} (torch's layout, from state_dict()) or "
+                    f"{sorted(_SHARDED_KEYS)} (the fsdp_dtensor layout, from "
+                    "sharded_state_dict())."
+                )
+        finally:
+            self.invalidate_caches()
+        for post in self._optimizer_load_state_dict_post_hooks.values():
+            post(self)
+
+    def grad_scaler_state_dict(self) -> dict[str, Any] | None:
+        """The grad scaler's state (plain numbers, equal on every rank), or None."""
+        return None if self.grad_scaler is None else self.grad_scaler.state_dict()
+
+    def load_grad_scaler_state_dict(self, state_dict: dict[str, Any] | None) -> None:
+        """Restore the grad scaler's state.
+
+        Args:
+            state_dict: What ``grad_scaler_state_dict()`` returned; None does nothing.
+
+        Raises:
+            ValueError: There is state but this optimizer has no grad scaler, or the grad
+                scaler refuses a value.
+        """
+        if state_dict is None:
+            return
+        if self.grad_scaler is None:
+            raise ValueError(
+                "got grad scaler state but this FullyShardedOptimizer has no grad_scaler; pass "
+                "one at construction"
+            )
+        self.grad_scaler.load_state_dict(state_dict)
 
     @property
     def grad_norms(self) -> tuple[Any, ...]:
@@ -110,9 +373,6 @@ class FullyShardedOptimizer(OptimizerSurface):
 
     # ------------------------------------------------------------------------------------------
     # the step
-
-    def _on_zero_grad(self) -> None:
-        self._stage = Stage.READY
 
     def _prepare(self, defer: bool = False) -> Prepared:
         if self._stage is Stage.PREPARED:
@@ -387,3 +647,40 @@ class FullyShardedOptimizer(OptimizerSurface):
         return _checkpointing.build_state_dict(
             self._engines, is_loading=is_loading, init_state_fn=self._init_state_fn
         )
+
+
+# -- for the repository's tools, through ``optim.seam`` (not public API) ----------------------
+
+
+def engines_of(wrapper: FullyShardedOptimizer) -> list[Engine]:
+    """The wrapper's engines, one per base optimizer, in ``optimizers`` order (its own list)."""
+    return wrapper._engines
+
+
+def captured_step_of(wrapper: FullyShardedOptimizer) -> Any:
+    """The wrapper's captured step (``OptimizerConfig(cuda_graph=True)``), or None."""
+    return wrapper._captured
+
+
+def use_captured_step(
+    wrapper: FullyShardedOptimizer, step_class: Any = None, runner: Any = None
+) -> Any:
+    """Give the wrapper a new captured step, ``step_class`` (``CapturedStep`` or a subclass)
+    over its engines, agreed slots and stage, and return it; ``runner``: a stand-in for the
+    CUDA graph (with ``warm``, ``capture``, ``replay``, ``reset``), for CPU params. The wrapper
+    steps through it where ``config.cuda_graph`` is set."""
+    wrapper._captured = wrapper._captured_step(runner, step_class)
+    return wrapper._captured
+
+
+def _check_bases(optimizer: Any) -> list[torch.optim.Optimizer]:
+    bases = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    if not bases:
+        raise ValueError("optimizer is an empty sequence; pass at least one base optimizer")
+    for i, o in enumerate(bases):
+        where = "optimizer" if len(bases) == 1 else f"optimizer[{i}]"
+        if isinstance(o, FullyShardedOptimizer):
+            raise TypeError(f"{where} is already a FullyShardedOptimizer; wrap the base one")
+        if not isinstance(o, torch.optim.Optimizer):
+            raise TypeError(f"{where} must be a torch.optim.Optimizer, got {type(o).__name__}")
+    return bases

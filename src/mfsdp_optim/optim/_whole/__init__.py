@@ -13,7 +13,7 @@ _generic.py  any class: its own step() on full tensors on owners
 
 The try / exchange / settle of every step is ``_infra.attempt.Attempt``. The wrapper
 (``optim``) uses the names below; the benchmarks reach the planner through
-``optim/whole_seam.py``; tests import the private modules.
+``optim/seam.py``; tests import the private modules.
 """
 
 from ._step import recipe_for, step_whole_params

@@ -8,7 +8,7 @@ one changed; ``Counters`` replays the host-side counters a captured body bumps. 
 captured and replayed is a runner: ``CudaGraphRunner`` (a ``torch.cuda.CUDAGraph`` on a side
 stream, warmed up on that stream first) or ``EagerRunner`` (the body run again at each replay:
 the same decisions on CPU, for tests). The wrapper's side (what the inputs are, which steps can
-be captured): ``optim._captured``. Contract: docs/concepts.md, "The captured step".
+be captured): ``_step``. Contract: docs/concepts.md, "The captured step".
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .._infra.comm import staged_for
+from ..._infra.comm import staged_for
 
 __all__ = [
     "MIN_REPLAYS",

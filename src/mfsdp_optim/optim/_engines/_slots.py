@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .._infra.group_lists import aligned_lists
-from .._infra.params import strip_compile_prefix
-from .._infra.placement import mesh_ranks_outside_group
+from ..._infra.group_lists import aligned_lists
+from ..._infra.params import strip_compile_prefix
+from ..._infra.placement import mesh_ranks_outside_group
 
 if TYPE_CHECKING:
-    from ..stats.seam import BucketKey
+    from ...stats.seam import BucketKey
 
 __all__ = ["Slot", "SlotTable", "fqn_map"]
 

@@ -1,11 +1,11 @@
 """One base optimizer's step machinery and every cache the wrapper keeps for it: ``Engine``.
 
-An ``Engine`` owns the param table (``_slots``), the prepare plan (``_prepare``), the fast Adam
+An ``Engine`` owns the param table (``_slots``), the prepare plan (``_preparer``), the fast Adam
 lists and Triton tables (``_fast_step``, ``_triton_adam``) and the whole-param plan
 (``_whole``). Its one validity rule: a cache is used only while the table's version, the
 optimizer's ``state`` mapping and ``param_groups`` are those it was built from and the params
 hold the local tensors it saw; ``invalidate()`` drops all of them at once. How the base step
-runs is the engine's *route*, chosen per step from the class's update kind (``_kinds``).
+runs (the fast step, the whole-param step or the optimizer's own) is chosen in ``_route``.
 """
 
 from __future__ import annotations
@@ -17,18 +17,19 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._infra.agreement import digest
-from ..stats.seam import PRESENCE_PRIME, Buckets
-from ._config import OptimizerConfig
-from ._dispatch import Route, base_step, detect_precision_aware, route_of
+from ..._infra.agreement import digest
+from ...stats.seam import PRESENCE_PRIME, Buckets
+from .._config import OptimizerConfig
+from .._hyper import check_param_groups
+from .._kinds._kind_of import WHOLE_PARAM, kind_of
+from ._base_step import base_step
 from ._fast_step import FastAdamStep
-from ._hyper import check_param_groups
-from ._kinds import WHOLE_PARAM, kind_of
-from ._prepare import Preparer
+from ._preparer import Preparer
+from ._route import FAST, WHOLE, Route, detect_precision_aware, route_for, step_engine
 from ._slots import SlotTable
 from ._triton_adam import TritonAdam
 
-__all__ = ["Engine", "check_disjoint"]
+__all__ = ["Engine", "check_disjoint", "frozen_values"]
 
 
 class Engine:
@@ -96,7 +97,7 @@ class Engine:
         groups = self.optimizer.param_groups
         # the values checked last time, compared by identity (immutable values only: a list or
         # a tensor may change in place): a steady step checks nothing again
-        seen = [_frozen_values(g) for g in groups]
+        seen = [frozen_values(g) for g in groups]
         last = self._checked
         if (
             len(last) == len(seen)
@@ -142,9 +143,7 @@ class Engine:
         """Pick the route, set each slot's work grad and bucket the local shards (after
         ``check()``). Collective-free; grads are not changed (``unscale`` does that)."""
         opt = self.optimizer
-        route = route_of(opt, precision_aware=self.precision_aware)
-        if self.kind == WHOLE_PARAM:
-            route = Route(False, False)
+        route = route_for(opt, self.kind, precision_aware=self.precision_aware)
         self.route = route
         token, trust = None, False
         if route.fast:
@@ -200,7 +199,7 @@ class Engine:
     def _create_first_state(self) -> None:
         """The state the first step would create (zeros, ``step`` 0), for the params that have
         none; a skipped first step then leaves this state where stock leaves none."""
-        from ..checkpoint import materialize_optimizer_state
+        from ...checkpoint import materialize_optimizer_state
 
         materialize_optimizer_state(self.optimizer)
         self.fast.invalidate()
@@ -222,7 +221,7 @@ class Engine:
         """Whether this engine's whole-param update keeps its verdict on the device (Muon under
         ``host_sync=False``; the generic path settles on the host through a gloo group)."""
         if self._muon is None:
-            from ._whole import recipe_for
+            from .._whole import recipe_for
 
             self._muon = recipe_for(self.optimizer) == "muon"
         return self.kind == WHOLE_PARAM and not self.host_sync and self._muon
@@ -255,14 +254,16 @@ class Engine:
         ``found_inf``: skip on the device (only where ``skips_on_device()``)."""
         opt, table = self.optimizer, self.table
         try:
-            if self.fast_token is not None and self.fast.ready(opt, table):
+            fast_ready = self.fast_token is not None and self.fast.ready(opt, table)
+            engine = step_engine(self.kind, fast_ready=fast_ready)
+            if engine == FAST:
                 keys = self.preparer.work_locals
                 devices = {k[0] for k in keys}
                 dtypes = {k[1] for k in keys}  # the work grads' dtypes (bucket keys carry them)
                 one = next(iter(dtypes)) if len(dtypes) == 1 else None
                 self.fast.step(opt, devices, grad_divisor, self.triton, found_inf, one)
                 self.fast_steps += 1
-            elif self.kind == WHOLE_PARAM:
+            elif engine == WHOLE:
                 assert grad_divisor is None, "whole-param: the clip is applied to the grads"
                 assert found_inf is None or self.whole_on_device(), "a device skip needs Muon"
                 self._whole_step(found_inf)
@@ -281,8 +282,8 @@ class Engine:
         verdict); Muon's is kept for ``take_verdict`` with its writes gated also on ``skip``
         (a float32 0/1 device gate), and a failure of this rank's is kept to be raised after
         the other engines ran, as its peers run them."""
-        from .._infra.comm import collective_device
-        from ._whole import DeviceVerdict, recipe_for, step_whole_params
+        from ..._infra.comm import collective_device
+        from .._whole import DeviceVerdict, recipe_for, step_whole_params
 
         opt = self.optimizer
         # a recipe that computes the update itself (Muon's) never calls the class's step():
@@ -378,7 +379,8 @@ def check_disjoint(engines: Sequence[Engine]) -> None:
 _MUTABLE = (list, dict, set, bytearray, torch.Tensor)
 
 
-def _frozen_values(group: dict[str, Any]) -> tuple | None:
-    """The group's hyperparameter values, or None when one may change in place."""
+def frozen_values(group: dict[str, Any]) -> tuple | None:
+    """The group's hyperparameter values, or None when one may change in place (compared by
+    identity from one step to the next: by ``Engine.check`` and the captured step)."""
     values = tuple(v for k, v in group.items() if k != "params")
     return None if any(isinstance(v, _MUTABLE) for v in values) else values

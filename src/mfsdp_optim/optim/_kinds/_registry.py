@@ -1,7 +1,7 @@
 """Third-party optimizer classes whose update kind is verified: data only, no import.
 
 ``REGISTRY[(module, qualname)] = (kind, why)``, matched against ``cls.__module__`` and
-``cls.__qualname__`` of the class and its bases (``_kinds.kind_of``), so the libraries are never
+``cls.__qualname__`` of the class and its bases (``_kind_of.kind_of``), so the libraries are never
 imported by this package. Every entry is justified by the conformance test
 (``tests/optim/test_conformance.py``; the whole run: ``nox -s conformance``), which steps the
 class under the wrapper on three layouts against the same class on the unsharded params fed the
@@ -67,7 +67,7 @@ _REFUSED = {
 # exact on local shards on every layout of the conformance run (scripts/conformance.py
 # --kinds), and no branch on shapes, norms, projections or factors in their source; with any
 # option outside the tuning ones changed from its default they take the whole-param path
-# (_kinds._options_changed)
+# (_kind_of._options_changed)
 _ELEMENTWISE_NAMES = {
     "adabelief": ("AdaBelief",),
     "adabound": ("AdaBound",),

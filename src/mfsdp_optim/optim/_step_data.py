@@ -32,7 +32,7 @@ from ..stats.seam import (
     segment_stats_of,
 )
 from ._agreed import AgreedSlots
-from ._engine import Engine, check_disjoint
+from ._engines._engine import Engine, check_disjoint
 
 __all__ = ["Prepared", "StepResult", "clip_norms", "prepare", "stats_of"]
 

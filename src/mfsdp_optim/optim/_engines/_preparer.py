@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .._infra.grouping import by_device, pairs_by_device_dtype
-from .._infra.placement import in_layout_of
-from ..stats.seam import BucketKey, Buckets, layout_of
+from ..._infra.grouping import by_device, pairs_by_device_dtype
+from ..._infra.placement import in_layout_of
+from ...stats.seam import BucketKey, Buckets, layout_of
 from ._slots import Slot
 
 __all__ = ["PreparePlan", "Preparer"]

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from .._infra.device_table import DeviceTable, addresses, check_all_lists, same_addresses
-from .._infra.kernels import device_helpers, element_offsets, sm_count_of
+from ..._infra.device_table import DeviceTable, addresses, check_all_lists, same_addresses
+from ..._infra.kernels import device_helpers, element_offsets, sm_count_of
 from ._fast_step import advance_steps
 
-__all__ = ["AdamTable", "TritonAdam"]
+__all__ = ["AdamTable", "TritonAdam", "launch_tuning", "set_launch_tuning"]
 
 # from benchmarks/bench_triton_adam.py --sweep on an H200 (benchmarks/RESULTS.md): 2048 x 8 warps
 # was within noise of the best on both shape sets and steady across programs per SM
@@ -33,6 +33,23 @@ _PROGRAMS_PER_SM = 16
 # A kept table has no limit (module docstring).
 _MIN_MEAN_NUMEL = 1 << 20
 _REDUCE_BLOCK = 1024
+
+
+def launch_tuning() -> tuple[int, int, int, int]:
+    """``(BLOCK, num_warps, programs per SM, min mean numel)`` of the launches: the values above,
+    read at each launch (``benchmarks/bench_triton_adam.py`` sweeps them)."""
+    return _BLOCK, _NUM_WARPS, _PROGRAMS_PER_SM, _MIN_MEAN_NUMEL
+
+
+def set_launch_tuning(
+    block: int, num_warps: int, programs_per_sm: int, min_mean_numel: int
+) -> None:
+    """Set what ``launch_tuning`` returns, for the launches that follow (benchmarks only)."""
+    global _BLOCK, _NUM_WARPS, _PROGRAMS_PER_SM, _MIN_MEAN_NUMEL
+    _BLOCK, _NUM_WARPS, _PROGRAMS_PER_SM = block, num_warps, programs_per_sm
+    _MIN_MEAN_NUMEL = min_mean_numel
+
+
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _state: dict[str, Any] = {"kernel": None, "failed": False}
@@ -404,6 +421,11 @@ class TritonAdam:
         self._tickets: dict[int, torch.Tensor] = {}
         self.launches = 0  # for tests and diagnostics
         self.builds = 0  # tables built (for tests)
+
+    def kept_tensors(self) -> list[torch.Tensor]:
+        """The device tensors the step's launches write besides their tables (one per device):
+        what a captured step keeps alive while its graph lives."""
+        return list(self._tickets.values())
 
     @staticmethod
     def available() -> bool:

@@ -184,8 +184,9 @@ def trial(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from ._config import OptimizerConfig
-    from ._optimizer import FullyShardedOptimizer
+    from .._config import OptimizerConfig
+    from .._optimizer import FullyShardedOptimizer
+    from ._kind_of import kind_of
 
     cls = load_class(target)
     mesh_shape, placement_names, _ = LAYOUTS[layout]
@@ -217,7 +218,9 @@ def trial(
             failure = _short(exc)
         if agreed(failure) is not None:
             return {"refused": failure or "another rank refused it"}
-        used = opt._engines[0].kind
+        # the kind the wrapper's engine took: decided from the class and the config alone, and
+        # nothing changed since the constructor asked (its warnings are ignored here too)
+        used = kind_of(opt.optimizer, config.update_kinds)
         for step_grads in grads:
             try:
                 for p, g in zip(params, step_grads, strict=True):
@@ -297,7 +300,7 @@ class Classification:
 
 def _treated(cls: type, declared: Mapping[type, str]) -> str | None:
     """The kind ``kind_of`` gives ``cls`` (None: refused), without building it or warning."""
-    from ._kinds import CROSS_PARAM, WHOLE_PARAM, known_kind
+    from ._kind_of import CROSS_PARAM, WHOLE_PARAM, known_kind
 
     try:
         kind = declared.get(cls) or getattr(cls, "mfsdp_update_kind", None) or known_kind(cls)
@@ -433,22 +436,3 @@ def classify_with(
             if all(r.get("exact") for r in evidence[kind].values()):
                 break
     return _classification(klass, kwargs, evidence, declared)
-
-
-def main(argv: Sequence[str] | None = None, echo: Callable[[str], None] = print) -> int:
-    """``python -m mfsdp_optim.optim classify package.module:Class [--kwargs JSON]``."""
-    import argparse
-    import json
-
-    parser = argparse.ArgumentParser(prog="python -m mfsdp_optim.optim")
-    sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("classify", help="an optimizer class's update kind, with evidence")
-    c.add_argument("target", help="package.module:Class")
-    c.add_argument(
-        "--kwargs", default="{}", help='constructor arguments as JSON, e.g. {"lr": 1e-3}'
-    )
-    c.add_argument("--steps", type=int, default=DEFAULT_STEPS)
-    args = parser.parse_args(argv)
-    result = classify_update(args.target, json.loads(args.kwargs), steps=args.steps)
-    echo(str(result))
-    return 0 if result.safe else 1

@@ -23,24 +23,24 @@ Why and what a training loop must do: docs/concepts.md, "The captured step".
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from operator import attrgetter
 from operator import is_ as _is
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from .._infra.comm import collective_device
-from .._infra.device_table import addresses, check_all_lists, same_addresses
-from ._dispatch import route_of
-from ._engine import _frozen_values
-from ._grad_scaler import ConstantGradScaler, DynamicGradScaler
+from ..._infra.comm import collective_device
+from ..._infra.device_table import addresses, check_all_lists, same_addresses
+from .._agreed import AgreedSlots
+from .._config import OptimizerConfig
+from .._engines._engine import Engine, frozen_values
+from .._engines._route import route_of
+from .._engines._triton_adam import AdamTable
+from .._grad_scaler import ConstantGradScaler, DynamicGradScaler, GradScaler
+from .._kinds._kind_of import WHOLE_PARAM
 from ._graph import Counters, CudaGraphRunner, EagerRunner, Inputs, ScalarSlots, StepGraph
-from ._kinds import WHOLE_PARAM
-from ._triton_adam import AdamTable
-
-if TYPE_CHECKING:
-    from ._optimizer import FullyShardedOptimizer
 
 __all__ = ["CapturedStep", "check_setup"]
 
@@ -48,6 +48,14 @@ _grad_of = attrgetter("grad")
 _local_of = attrgetter("_local_tensor")
 _LR_DTYPE = torch.float32  # torch's fused Adam kernels read a tensor lr as float32
 _SCALERS = (type(None), ConstantGradScaler, DynamicGradScaler)
+
+
+class Wrapper(Protocol):
+    """What the captured step reads of the wrapper itself, each time (a test may replace
+    them): its public ``config`` and ``grad_scaler``."""
+
+    config: OptimizerConfig
+    grad_scaler: GradScaler | None
 
 
 def _state_locals(e: Any, params: list[Any]) -> list[Any]:
@@ -76,17 +84,17 @@ def _whole_blocker(e: Any, name: str) -> str | None:
     if not e.whole_steady():
         return f"{name} built its whole-param plan at this step (the next step can be captured)"
     for gi, g in enumerate(opt.param_groups):
-        if _frozen_values(g) is None:
+        if frozen_values(g) is None:
             return f"param group {gi} of {name} holds a tensor or list hyperparameter"
     return None
 
 
-def check_setup(wrapper: FullyShardedOptimizer) -> torch.device:
+def check_setup(engines: list[Engine], config: OptimizerConfig) -> torch.device:
     """The one CUDA device every param lives on; ValueError for a setup that cannot be
     captured at all (params off CUDA or on several devices, a grad-stats group whose
     collectives run on the host)."""
     device = None
-    for e in wrapper._engines:
+    for e in engines:
         for s in e.table.slots:
             d = s.param._local_tensor.device
             if d.type != "cuda" or (device is not None and d != device):
@@ -99,7 +107,7 @@ def check_setup(wrapper: FullyShardedOptimizer) -> torch.device:
             device = d
     if device is None:
         raise ValueError("OptimizerConfig(cuda_graph=True): the optimizer holds no params")
-    group = wrapper.config.grad_stats_group
+    group = config.grad_stats_group
     if collective_device(group).type != "cuda":
         raise ValueError(
             "OptimizerConfig(cuda_graph=True) captures the grad-stats collective, but the "
@@ -163,21 +171,37 @@ class CapturedStep:
     """``step()`` of a wrapper with ``cuda_graph=True`` (see the module docstring).
 
     Args:
-        wrapper: The wrapper.
+        wrapper: The wrapper (its ``config`` and ``grad_scaler``, read at each step).
+        engines: The wrapper's engines (its list, not a copy).
+        agreement: The wrapper's hyperparameter digests (the stats row's agreed slots).
+        stage_of: The wrapper's stage now; ``set_stage``: set it (a replay leaves the stage the
+            captured step left).
         runner: Tests only: an ``_graph.EagerRunner`` (CPU params, any group) instead of
             ``check_setup`` and a CUDA graph.
     """
 
-    def __init__(self, wrapper: FullyShardedOptimizer, runner: Any = None):
+    def __init__(
+        self,
+        wrapper: Wrapper,
+        engines: list[Engine],
+        agreement: AgreedSlots,
+        *,
+        stage_of: Callable[[], Any],
+        set_stage: Callable[[Any], None],
+        runner: Any = None,
+    ):
         self.wrapper = wrapper
+        self.engines = engines
+        self.agreement = agreement
+        self._stage_of, self._set_stage = stage_of, set_stage
         if runner is None:
-            self.device = check_setup(wrapper)
+            self.device = check_setup(engines, wrapper.config)
             runner = CudaGraphRunner(self.device)
         else:
-            self.device = wrapper._engines[0].table.slots[0].param._local_tensor.device
+            self.device = engines[0].table.slots[0].param._local_tensor.device
         self.graph = StepGraph(runner)
         fields: list[tuple[Any, str]] = []
-        for e in wrapper._engines:
+        for e in engines:
             fields += [(e, "fast_steps"), (e, "clip_folds"), (e.preparer, "replays")]
             if e.triton is not None:
                 fields.append((e.triton, "launches"))
@@ -191,8 +215,7 @@ class CapturedStep:
         if not self._update_lr():
             return body()  # an lr that is not a finite number >= 0: the eager check refuses it
         # the hyperparameter digest a replay's stats row reads, uploaded if a value changed
-        w = self.wrapper
-        w._agreement.refresh(w.config.grad_stats_group)
+        self.agreement.refresh(self.wrapper.config.grad_stats_group)
         graph = self.graph
         action = graph.plan(self.still_valid)
         if action == "replay":
@@ -206,8 +229,8 @@ class CapturedStep:
         return self._capture(body)
 
     def _capture(self, body: Any) -> Any:
-        graph, w = self.graph, self.wrapper
-        fast_before = [e.fast_steps for e in w._engines]
+        graph = self.graph
+        fast_before = [e.fast_steps for e in self.engines]
         out = graph.runner.warm(body)  # this call's step, eagerly, where the capture will run
         reason = self.blocker(fast_before)
         if reason is not None:
@@ -215,7 +238,7 @@ class CapturedStep:
             return out
         before = self.inputs()
         self.counters.begin()
-        for e in w._engines:
+        for e in self.engines:
             e.fast.capturing = True
         try:
             graph.runner.capture(body)
@@ -224,14 +247,14 @@ class CapturedStep:
             graph.disable(f"its capture failed ({type(exc).__name__}: {exc})")
             return out
         finally:
-            for e in w._engines:
+            for e in self.engines:
                 e.fast.capturing = False
         self.counters.end()
         after = self.inputs()
         if not before.same(after):
             graph.disable("a cache was rebuilt while the step was captured")
             return out
-        self.after = w._stage
+        self.after = self._stage_of()
         graph.captured_with(after, self._keep_alive())
         return out
 
@@ -242,20 +265,17 @@ class CapturedStep:
         scaler's word that its device copy moved on (what its device update says when it runs
         eagerly: the host fields are stale, copies on other devices too). ``step()`` records
         the returned values as the last step."""
-        w = self.wrapper
         self.counters.replayed()
-        w._stage = self.after
-        scaler = w.grad_scaler
-        if scaler is not None and scaler._device:
-            scaler._device_stale = True
-            pair = scaler._cache.get(self.device)
-            scaler._cache = {self.device: pair} if pair is not None else {}
+        self._set_stage(self.after)
+        scaler = self.wrapper.grad_scaler
+        if scaler is not None:
+            scaler.replayed_on(self.device)
 
     def _update_lr(self) -> bool:
         """Each group's lr into its device slot (an upload only when one changed). False, and
         nothing uploaded, when an lr is not a float or int in [0, inf) (a replay skips the
         eager step's hyperparameter checks: that step refuses it, nothing updated)."""
-        for e in self.wrapper._engines:
+        for e in self.engines:
             lrs = [g["lr"] for g in e.optimizer.param_groups]
             if not all(type(v) in (float, int) and 0 <= v < math.inf for v in lrs):
                 if any(map(torch.is_tensor, lrs)):  # not captured (blocker): the Python path
@@ -273,8 +293,8 @@ class CapturedStep:
 
     def _refresh_tables(self) -> None:
         """The Triton tables' hyperparameters (the lr of a schedule), uploaded if changed."""
-        for e in self.wrapper._engines:
-            for gc in e.fast._groups or ():
+        for e in self.engines:
+            for gc in e.fast.groups() or ():
                 tab = gc.triton_table
                 if isinstance(tab, AdamTable) and tab.table is not None:
                     tab.refresh_hparams(gc.group)
@@ -289,7 +309,7 @@ class CapturedStep:
                 f"a {type(scaler).__name__} is used (only ConstantGradScaler and "
                 "DynamicGradScaler update on the device)"
             )
-        for i, e in enumerate(w._engines):
+        for i, e in enumerate(self.engines):
             opt = e.optimizer
             name = e.name or type(opt).__name__
             if e.kind == WHOLE_PARAM:
@@ -297,7 +317,7 @@ class CapturedStep:
                 if reason is not None:
                     return reason
                 continue
-            groups = e.fast._groups
+            groups = e.fast.groups()
             stepped = fast_before is None or e.fast_steps == fast_before[i] + 1
             if not e.route.fast or groups is None or not stepped:
                 return (
@@ -314,7 +334,7 @@ class CapturedStep:
                         f"the params and state of param group {gi} of {name} are not all of "
                         "one device and dtype"
                     )
-                if _frozen_values(g) is None or e.fast.lr_slots is None:
+                if frozen_values(g) is None or e.fast.lr_slots is None:
                     return f"param group {gi} of {name} holds a tensor or list hyperparameter"
         return None
 
@@ -331,7 +351,7 @@ class CapturedStep:
         check_all = check_all_lists()
         # reading .grad of a tensor subclass pays a torch-function dispatch unless disabled
         with torch._C.DisableTorchFunctionSubclass():
-            for e in self.wrapper._engines:
+            for e in self.engines:
                 plan = e.preparer.plan
                 if plan is None:  # (also at the capture: the head compared the plan objects)
                     continue
@@ -370,7 +390,7 @@ class CapturedStep:
         (O(params))."""
         w = self.wrapper
         cfg, scaler = w.config, w.grad_scaler
-        objects: list[Any] = [cfg, cfg.grad_stats_group, scaler, w._agreement.buffer]
+        objects: list[Any] = [cfg, cfg.grad_stats_group, scaler, self.agreement.buffer]
         long: list[list[Any]] = []
         ptrs: list[list[int]] = []
         values: list[Any] = [
@@ -380,12 +400,11 @@ class CapturedStep:
             cfg.triton_adam_step,
         ]
         if scaler is not None:
-            objects.extend(scaler._device.values())
-            objects.extend(scaler._cache.get(self.device, ()))
+            objects.extend(scaler.device_tensors(self.device))
             values.append(scaler.needs_unscale())
-        for e in w._engines:
+        for e in self.engines:
             opt, fast, plan = e.optimizer, e.fast, e.preparer.plan
-            objects += [opt.state, opt.param_groups, fast._groups, fast.lr_slots, plan]
+            objects += [opt.state, opt.param_groups, fast.groups(), fast.lr_slots, plan]
             values += [
                 len(opt.state),
                 e.table.version,
@@ -400,8 +419,9 @@ class CapturedStep:
             for g in opt.param_groups:
                 objects += [g, g["params"]]
                 values.append(tuple(v for k, v in g.items() if k not in baked))
-            if fast._groups is not None:
-                objects.extend([gc.triton_table for gc in fast._groups])
+            groups = fast.groups()
+            if groups is not None:
+                objects.extend([gc.triton_table for gc in groups])
             if plan is not None and lists:  # O(params); a plan means every grad is a DTensor
                 with torch._C.DisableTorchFunctionSubclass():
                     grads = list(map(_grad_of, plan.params))
@@ -415,13 +435,13 @@ class CapturedStep:
         """What the graph reads that caches may drop (tables, workspaces, the verdict slots,
         the device constants of Muon's agreement): held while the capture lives, so no replay
         reads freed memory."""
-        from .._infra.comm import device_constants
-        from ..stats.seam import capture_keepalive
+        from ..._infra.comm import device_constants
+        from ...stats.seam import capture_keepalive
 
         keep: list[Any] = capture_keepalive() + device_constants()
-        keep.append(self.wrapper._agreement.buffer)
-        for e in self.wrapper._engines:
-            keep.append(e.fast._groups)
+        keep.append(self.agreement.buffer)
+        for e in self.engines:
+            keep.append(e.fast.groups())
             if e.triton is not None:
-                keep.append(list(e.triton._tickets.values()))
+                keep.append(e.triton.kept_tensors())
         return keep

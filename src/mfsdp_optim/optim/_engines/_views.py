@@ -18,8 +18,8 @@ from contextlib import contextmanager
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._infra.group_lists import aligned_lists
-from .._infra.placement import as_stock_value
+from ..._infra.group_lists import aligned_lists
+from ..._infra.placement import as_stock_value
 from ._slots import Slot
 
 __all__ = ["local_shard_view"]

@@ -1,7 +1,7 @@
 """The Adam/AdamW fast step: torch's own multi-tensor kernels on cached local-tensor lists.
 
 ``FastAdamStep`` calls what ``Adam.step()`` calls after ``_init_group`` (fused or foreach,
-``_dispatch.Route``) on per-group lists of local shards it keeps (``_GroupCache``): bit-identical
+``_route.Route``) on per-group lists of local shards it keeps (``_GroupCache``): bit-identical
 to the base step. Valid while the slot table, ``optimizer.state`` (same mapping and size),
 ``param_groups`` and each group's ``amsgrad`` are unchanged and the params keep their local
 tensors; ``FullyShardedOptimizer.invalidate_caches()`` after replacing a state value by hand.
@@ -11,7 +11,7 @@ Details: docs/concepts.md, "The Adam fast step".
 from __future__ import annotations
 
 from operator import is_ as _is
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -37,7 +37,7 @@ def advance_steps(steps: list[torch.Tensor], found_inf: torch.Tensor | None) -> 
 
 
 def group_eligible(group: dict[str, Any]) -> bool:
-    """A param group the fast step can take (type and hook checks are ``_dispatch``'s)."""
+    """A param group the fast step can take (type and hook checks are ``_route``'s)."""
     if group.get("capturable", False) or group.get("differentiable", False):
         return False
     if group.get("fused"):
@@ -110,6 +110,11 @@ class FastAdamStep:
     @property
     def token(self) -> object:
         """Identifies the current cache (the prepare plan indexes its grad lists by it)."""
+        return self._groups
+
+    def groups(self) -> list[_GroupCache] | None:
+        """The per-group caches (their lists, Triton tables and state), None while none is
+        built: what a captured step reads and keeps alive."""
         return self._groups
 
     def _cache_ok(self, optimizer: torch.optim.Optimizer, table: SlotTable) -> bool:
@@ -277,96 +282,145 @@ class FastAdamStep:
         grad_dtype: torch.dtype | None = None,
         lr_slot: torch.Tensor | None = None,
     ) -> None:
-        """One group's update; ``lr_slot``: a 0-d float32 device tensor the direct fused call
-        reads the lr from (the captured step's; the Triton kernel reads its own table)."""
-        group = gc.group
-        holder: _GroupCache | None = gc  # the Triton table may live on the cache: its lists
-        grads = gc.grads
-        params, exp_avgs, exp_avg_sqs = gc.params, gc.exp_avgs, gc.exp_avg_sqs
-        max_exp_avg_sqs, steps = gc.max_exp_avg_sqs, gc.steps
-        if len(grads) != gc.n:  # some params have no grad this step: _init_group skips them
-            keep = [j for j, s in enumerate(gc.slots) if s.work_grad is not None]
-            assert len(keep) == len(grads)
-            params = [params[j] for j in keep]
-            exp_avgs = [exp_avgs[j] for j in keep]
-            exp_avg_sqs = [exp_avg_sqs[j] for j in keep]
-            if gc.amsgrad:
-                max_exp_avg_sqs = [max_exp_avg_sqs[j] for j in keep]
-            steps = [steps[j] for j in keep]
-            holder = None  # lists of this step only
-        if not grads:
+        """One group's update, in three phases: its lists over the params with a grad
+        (``_lists_with_grads``), then torch's fused kernel or the Triton step on the group's one
+        (device, dtype) bucket where ``direct`` (``_step_fused``), else torch's functional Adam,
+        exactly as ``Adam.step()`` calls it (``_step_functional``). ``lr_slot``: a 0-d float32
+        device tensor the direct fused call reads the lr from (the captured step's; the Triton
+        kernel reads its own table)."""
+        holder, lists = _lists_with_grads(gc)
+        if not lists.grads:
             return
-        beta1, beta2 = group["betas"]
-        lr = group["lr"]
-        device = gc.device
-        if direct and device is not None:
-            # torch.optim.adam._fused_adam for its one (device, dtype) bucket
-            if torch.is_tensor(beta1) and beta1.dim() != 0:
-                beta1 = beta1.squeeze()
-            if torch.is_tensor(beta2) and beta2.dim() != 0:
-                beta2 = beta2.squeeze()
-            if torch.is_tensor(lr) and str(lr.device) != "cpu" and lr.device != device:
-                lr = lr.to(device=device, non_blocking=True)
-            if found_inf is not None:
-                found_inf = found_inf.to(device, non_blocking=True)
-            if triton is not None and triton.step(
-                group,
-                params,
-                grads,
-                exp_avgs,
-                exp_avg_sqs,
-                steps,
-                grad_scale,
-                holder,
-                grad_dtype,
-                found_inf,
-            ):
-                return
-            if grad_scale is not None:
-                grad_scale = grad_scale.to(device, non_blocking=True)
-            if lr_slot is not None:
-                lr = lr_slot
-            advance_steps(steps, found_inf)
-            func = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
-            func(
-                params,
-                grads,
-                exp_avgs,
-                exp_avg_sqs,
-                max_exp_avg_sqs,
-                steps,
-                amsgrad=group["amsgrad"],
-                lr=lr,
-                beta1=beta1,
-                beta2=beta2,
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
-                maximize=group["maximize"],
-                grad_scale=grad_scale,
-                found_inf=found_inf,
-            )
+        if direct and gc.device is not None:
+            _step_fused(gc, lists, holder, grad_scale, triton, found_inf, grad_dtype, lr_slot)
             return
-        # exactly the call Adam.step() makes after _init_group
-        _functional_adam(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            max_exp_avg_sqs,
-            steps,
-            amsgrad=group["amsgrad"],
-            has_complex=gc.has_complex,
-            beta1=beta1,
-            beta2=beta2,
-            lr=lr,
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=group["maximize"],
-            foreach=group["foreach"],
-            capturable=group["capturable"],
-            differentiable=group["differentiable"],
-            fused=group["fused"],
-            grad_scale=grad_scale,
-            found_inf=found_inf,
-            decoupled_weight_decay=group["decoupled_weight_decay"],
-        )
+        _step_functional(gc, lists, grad_scale, found_inf)
+
+
+class _StepLists(NamedTuple):
+    """One group's lists for one step: over the params that have a grad."""
+
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    exp_avgs: list[torch.Tensor]
+    exp_avg_sqs: list[torch.Tensor]
+    max_exp_avg_sqs: list[torch.Tensor]
+    steps: list[torch.Tensor]
+
+
+def _lists_with_grads(gc: _GroupCache) -> tuple[_GroupCache | None, _StepLists]:
+    """The group's lists over the params with a grad this step, and the holder of their Triton
+    table: the cache itself where every param has one (its own lists), else None (lists of this
+    step only)."""
+    holder: _GroupCache | None = gc  # the Triton table may live on the cache: its lists
+    grads = gc.grads
+    params, exp_avgs, exp_avg_sqs = gc.params, gc.exp_avgs, gc.exp_avg_sqs
+    max_exp_avg_sqs, steps = gc.max_exp_avg_sqs, gc.steps
+    if len(grads) != gc.n:  # some params have no grad this step: _init_group skips them
+        keep = [j for j, s in enumerate(gc.slots) if s.work_grad is not None]
+        assert len(keep) == len(grads)
+        params = [params[j] for j in keep]
+        exp_avgs = [exp_avgs[j] for j in keep]
+        exp_avg_sqs = [exp_avg_sqs[j] for j in keep]
+        if gc.amsgrad:
+            max_exp_avg_sqs = [max_exp_avg_sqs[j] for j in keep]
+        steps = [steps[j] for j in keep]
+        holder = None  # lists of this step only
+    return holder, _StepLists(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+
+
+def _step_fused(
+    gc: _GroupCache,
+    lists: _StepLists,
+    holder: _GroupCache | None,
+    grad_scale: torch.Tensor | None,
+    triton: Any,
+    found_inf: torch.Tensor | None,
+    grad_dtype: torch.dtype | None,
+    lr_slot: torch.Tensor | None,
+) -> None:
+    """``torch.optim.adam._fused_adam`` for the group's one (device, dtype) bucket, or the
+    Triton step where it takes the group (``triton.step`` returns True)."""
+    group, device = gc.group, gc.device
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = lists
+    beta1, beta2 = group["betas"]
+    lr = group["lr"]
+    if torch.is_tensor(beta1) and beta1.dim() != 0:
+        beta1 = beta1.squeeze()
+    if torch.is_tensor(beta2) and beta2.dim() != 0:
+        beta2 = beta2.squeeze()
+    if torch.is_tensor(lr) and str(lr.device) != "cpu" and lr.device != device:
+        lr = lr.to(device=device, non_blocking=True)
+    if found_inf is not None:
+        found_inf = found_inf.to(device, non_blocking=True)
+    if triton is not None and triton.step(
+        group,
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        steps,
+        grad_scale,
+        holder,
+        grad_dtype,
+        found_inf,
+    ):
+        return
+    if grad_scale is not None:
+        grad_scale = grad_scale.to(device, non_blocking=True)
+    if lr_slot is not None:
+        lr = lr_slot
+    advance_steps(steps, found_inf)
+    func = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
+    func(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        max_exp_avg_sqs,
+        steps,
+        amsgrad=group["amsgrad"],
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=group["maximize"],
+        grad_scale=grad_scale,
+        found_inf=found_inf,
+    )
+
+
+def _step_functional(
+    gc: _GroupCache,
+    lists: _StepLists,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+) -> None:
+    """Exactly the call ``Adam.step()`` makes after ``_init_group``."""
+    group = gc.group
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = lists
+    beta1, beta2 = group["betas"]
+    _functional_adam(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        max_exp_avg_sqs,
+        steps,
+        amsgrad=group["amsgrad"],
+        has_complex=gc.has_complex,
+        beta1=beta1,
+        beta2=beta2,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=group["maximize"],
+        foreach=group["foreach"],
+        capturable=group["capturable"],
+        differentiable=group["differentiable"],
+        fused=group["fused"],
+        grad_scale=grad_scale,
+        found_inf=found_inf,
+        decoupled_weight_decay=group["decoupled_weight_decay"],
+    )
