@@ -8,12 +8,15 @@
 #   scripts/gpu_check.sh tests           # the whole suite only
 #   scripts/gpu_check.sh tests-optim     # the suite in two halves: tests/optim ...
 #   scripts/gpu_check.sh tests-other     # ... and every other folder of tests/
+#   scripts/gpu_check.sh tests-1of4      # the suite's test files, sorted, in 4 slices: the 1st
+#   scripts/gpu_check.sh tests-cuda      # the tests marked cuda only
 #   scripts/gpu_check.sh bench           # the benchmarks' smoke runs only (about 4 minutes)
 #   scripts/gpu_check.sh recipes         # the trainers' GPU recipes (scripts/accelerate_gpu.py)
 #
 # A machine that limits one command to 10 minutes takes the parts as separate commands: on
 # 2026-12-07 the whole suite did not fit 540 s on an H200 (473 of 1176 tests), so run
-# `tests-optim` and `tests-other` there. The log names every test as it starts
+# `tests-optim` and `tests-other` there; on 2026-12-07 `tests-other` did not fit 540 s on an H100
+# either (462 tests), so take the suite in slices there (`tests-1of4` ... `tests-4of4`). The log names every test as it starts
 # (tests*.log), so a run cut by its time limit says where it was; the slowest 30 are listed.
 # Needs python3 with torch (CUDA), triton, pytest, hypothesis and pytest-timeout; the package
 # comes from src/ (PYTHONPATH), nothing is installed into python3's environment. Wheels in .whl/
@@ -31,10 +34,10 @@ failed=0
 wanted=" ${*:-tests recipes bench} "
 for part in $wanted; do
     case "$part" in
-    tests | tests-optim | tests-other | bench | recipes) ;;
+    tests | tests-optim | tests-other | tests-cuda | tests-[1-9]of[1-9] | bench | recipes) ;;
     *)
         echo "gpu_check.sh: unknown part '$part' (expected: tests, tests-optim, tests-other," \
-            "bench, recipes)" >&2
+            "tests-cuda, tests-KofN, bench, recipes)" >&2
         exit 2
         ;;
     esac
@@ -107,6 +110,18 @@ if [[ "$wanted" == *" tests-other "* ]]; then
     done
     suite tests-other "${others[@]}"
 fi
+[[ "$wanted" == *" tests-cuda "* ]] && suite tests-cuda tests -m cuda
+for part in $wanted; do
+    if [[ "$part" =~ ^tests-([1-9])of([1-9])$ ]]; then
+        k=${BASH_REMATCH[1]} n=${BASH_REMATCH[2]}
+        # the K-th of N contiguous slices of the sorted test files (every folder's conftest
+        # and collection rule still apply: pytest is given the files)
+        mapfile -t files < <(find tests -name 'test_*.py' -not -path 'tests/data/*' | sort)
+        per=$(((${#files[@]} + n - 1) / n))
+        slice=("${files[@]:$(((k - 1) * per)):$per}")
+        [ "${#slice[@]}" -gt 0 ] && suite "$part" "${slice[@]}"
+    fi
+done
 
 # accelerate's FSDP2 path engages only on a GPU: the recipe of mfsdp_optim.integrations.accelerate
 # against stock AdamW, with save_state / load_state (needs accelerate installed)
