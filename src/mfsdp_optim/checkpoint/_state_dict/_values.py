@@ -58,7 +58,7 @@ class EntryLayout(NamedTuple):
     """How one state entry (one key of one parameter's optimizer state) is laid out in the
     checkpoint, as a rank knows it: its kind (``PARAM_SHAPED``, ``SCALAR``, ``OWN_LAYOUT`` or
     ``PLAIN``), dtype name, and value (a scalar's, a plain value, or an own layout's ``(shape,
-    placements)``). Not ``optim._slots.Slot``, the wrapper's per-param cache."""
+    placements)``). Not ``optim._engines._slots.Slot``, the wrapper's per-param cache."""
 
     kind: str
     dtype: str | None
