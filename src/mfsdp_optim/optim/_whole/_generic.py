@@ -5,8 +5,7 @@ Members send a unit's owner their pieces of the param, its grad and every param-
 entry; receivers (the ranks of the other replica groups, where the unit spans the replicas:
 ``_plan.spans_replicas``) send their grad presence only. The owner checks that every member and
 receiver agrees on the grad's presence, assembles full tensors and calls ``optimizer.step()``
-once, shown (in place, as ``optim._engines._views.local_shard_view`` does) group lists holding
-the full
+once, shown (in place, as ``_engines._views.local_shard_view`` does) group lists holding the full
 params it owns and a state mapping keyed by them; every other rank calls ``step()`` once with
 its lists emptied (step hooks run once per rank). The owner sends back each member's and each
 receiver's piece of the new param and of each param-shaped entry, every other entry whole (a
