@@ -14,10 +14,12 @@
 #   scripts/gpu_check.sh recipes         # the trainers' GPU recipes (scripts/accelerate_gpu.py)
 #
 # A machine that limits one command to 10 minutes takes the parts as separate commands: on
-# 2026-12-07 the whole suite did not fit 540 s on an H200 (473 of 1176 tests), so run
-# `tests-optim` and `tests-other` there; on 2026-12-07 `tests-other` did not fit 540 s on an H100
-# either (462 tests), so take the suite in slices there (`tests-1of4` ... `tests-4of4`). The log names every test as it starts
-# (tests*.log), so a run cut by its time limit says where it was; the slowest 30 are listed.
+# 2026-12-07 the whole suite in one process did not fit 540 s on an H200 (473 of 1176 tests),
+# nor did `tests-other` on an H100 (462 tests). So the suite runs in worker processes where
+# pytest-xdist is importable (below), and `tests-1of4` ... `tests-4of4` take it in slices. A
+# step cut by its time limit is stopped with SIGINT: pytest still lists the failures so far and
+# the slowest 30 tests (in one process, MFSDP_GPU_WORKERS=0, the log also names each test as it
+# starts, so it says where the run was).
 # Needs python3 with torch (CUDA), triton, pytest, hypothesis and pytest-timeout; the package
 # comes from src/ (PYTHONPATH), nothing is installed into python3's environment. Wheels in .whl/
 # at the repository root (pytest, hypothesis, pytest-timeout, ... for an image without them)
@@ -90,11 +92,19 @@ step() {
 # land on CUDA where a test does not name a device). -rs lists the skips.
 # suite NAME PATH...: pytest over PATHs as step NAME (-v: each test's name in the log; -rs lists
 # the skips, -rf the failures; --timeout: one hung test cannot eat the step's whole limit)
+# With pytest-xdist importable (its wheel and execnet's in .whl/), the tests run in
+# ${MFSDP_GPU_WORKERS:-4} worker processes (each with its own pools of gloo ranks; 0: one
+# process, the log then naming each test as it starts): the suite is about 1,200 tests, which
+# one process did not run within a 10-minute command.
+workers=()
+if [ "${MFSDP_GPU_WORKERS:-4}" != 0 ] && "$py" -c "import xdist" 2>/dev/null; then
+    workers=(-n "${MFSDP_GPU_WORKERS:-4}")
+fi
 suite() {
     local name=$1
     shift
-    step "$name" 540 60 "$py" -m pytest "$@" -v -rfs --timeout=120 --durations=30 \
-        -p no:cacheprovider
+    step "$name" 540 60 "$py" -m pytest "$@" ${workers[@]+"${workers[@]}"} -v -rfs --timeout=120 \
+        --durations=30 -p no:cacheprovider
     {
         grep -E "[0-9]+ (passed|failed|errors?|skipped).* in [0-9.]+s" "$out/$name.log" | tail -n 1
         grep -E "^tests marked cuda:" "$out/$name.log" | tail -n 1  # tests/conftest.py's line
