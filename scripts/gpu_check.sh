@@ -24,7 +24,9 @@
 # comes from src/ (PYTHONPATH), nothing is installed into python3's environment. Wheels in .whl/
 # at the repository root (pytest, hypothesis, pytest-timeout, ... for an image without them)
 # are installed first into ${MFSDP_WHEEL_SITE:-/tmp/site}, which goes on PYTHONPATH. Logs and
-# summary.txt go under ${OUT:-gpu_out}. Exit status 1 when any step failed.
+# summary.txt go under ${OUT:-gpu_out}. Exit status 1 when any step failed. The time limits of a
+# suite step (540 s) and of the recipes (300 s) can be lowered with MFSDP_GPU_SUITE_LIMIT and
+# MFSDP_GPU_RECIPE_LIMIT, to fit several parts into one 10-minute command.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-gpu_out}
@@ -103,7 +105,7 @@ fi
 suite() {
     local name=$1
     shift
-    step "$name" 540 60 "$py" -m pytest "$@" ${workers[@]+"${workers[@]}"} -v -rfs --timeout=120 \
+    step "$name" "${MFSDP_GPU_SUITE_LIMIT:-540}" 60 "$py" -m pytest "$@" ${workers[@]+"${workers[@]}"} -v -rfs --timeout=120 \
         --durations=30 -p no:cacheprovider
     {
         grep -E "[0-9]+ (passed|failed|errors?|skipped).* in [0-9.]+s" "$out/$name.log" | tail -n 1
@@ -135,7 +137,7 @@ done
 
 # accelerate's FSDP2 path engages only on a GPU: the recipe of mfsdp_optim.integrations.accelerate
 # against stock AdamW, with save_state / load_state (needs accelerate installed)
-[[ "$wanted" == *" recipes "* ]] && step recipes 300 14 "$py" scripts/accelerate_gpu.py
+[[ "$wanted" == *" recipes "* ]] && step recipes "${MFSDP_GPU_RECIPE_LIMIT:-300}" 14 "$py" scripts/accelerate_gpu.py
 
 if [[ "$wanted" != *" bench "* ]]; then
     echo "--- summary ($summary)"
