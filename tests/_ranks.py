@@ -11,7 +11,12 @@ Hangs become failures: every task has a deadline; when it passes (or a rank fail
 do not finish within a short grace), every live rank's thread stacks are dumped by faulthandler
 (``_arm``: its watchdog thread at the task's deadline, SIGUSR1 on demand), the pool is torn down,
 and the test fails with each rank's traceback. The next test gets a fresh pool, so one deadlock
-never poisons the suite.
+never poisons the suite. A rank killed by a signal (a segfault in C++) leaves its story too:
+faulthandler writes every thread's Python stack as the process dies, and the failure shows it.
+
+``get_pool(n, cuda=False)`` is a pool whose ranks see no CUDA device, for code that must run on
+CPU ranks on any machine (the docs' examples, a trainer's CPU mode): on a machine with a GPU,
+``fully_shard`` without a mesh would otherwise put a gloo rank's params on CUDA.
 """
 
 from __future__ import annotations
@@ -116,11 +121,15 @@ def torchrun_env():
                 os.environ[k] = v
 
 
-def _worker_main(rank, world_size, init_file, tasks, results, sys_path, stack_file):
+def _worker_main(rank, world_size, init_file, tasks, results, sys_path, stack_file, cuda):
+    if not cuda:  # before anything in this process asks CUDA (the forkserver has not)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     sys.path[:] = sys_path
     # torch warns on every multi-dim full_tensor(); the tests call it on purpose
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     stacks = open(stack_file, "w")  # noqa: SIM115 - lives as long as the worker
+    # a fatal signal (SIGSEGV in C++, SIGABRT, ...) writes every thread's stack as the rank dies
+    faulthandler.enable(file=stacks, all_threads=True)
     _arm(stacks, _READY_TIMEOUT_S)
     join_gloo_group(rank, world_size, init_file, _PG_TIMEOUT_S)
     faulthandler.cancel_dump_traceback_later()
@@ -149,8 +158,9 @@ def _worker_main(rank, world_size, init_file, tasks, results, sys_path, stack_fi
 class RankPool:
     """``world_size`` live gloo ranks that run the same function together."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, cuda: bool = True):
         self.world_size = world_size
+        self.cuda = cuda  # False: the ranks see no CUDA device
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor"])
         self._dir = tempfile.mkdtemp(prefix=f"mfsdp_ranks{world_size}_")
@@ -169,6 +179,7 @@ class RankPool:
                     self._results,
                     list(sys.path),
                     self._stack_files[r],
+                    cuda,
                 ),
                 daemon=True,
             )
@@ -199,14 +210,9 @@ class RankPool:
                 rank, status, value = self._results.get(timeout=min(remaining, 1.0))
             except Empty:  # queue.Empty: check for dead workers and keep waiting
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-                if dead:
-                    errors.update(
-                        {
-                            r: f"process died (exit code {self._procs[r].exitcode})"
-                            for r in dead
-                            if r not in values and r not in errors
-                        }
-                    )
+                errors.update(
+                    {r: self._death(r) for r in dead if r not in values and r not in errors}
+                )
                 continue
             if status == "error":
                 errors[rank] = value
@@ -232,6 +238,17 @@ class RankPool:
             else:
                 lines.append(f"--- rank {r}: ok")
         raise RankFailure("\n".join(lines))
+
+    def _death(self, r: int) -> str:
+        """A dead rank's story: its exit code (a negative one names the signal) and the stacks
+        faulthandler wrote as a fatal signal killed it."""
+        code = self._procs[r].exitcode
+        what = f"exit code {code}"
+        if code is not None and code < 0:
+            with contextlib.suppress(ValueError):
+                what += f", {signal.Signals(-code).name}"
+        story = _story(self._stack_files[r])
+        return f"process died ({what})" + (f"; its threads as it died:\n{story}" if story else "")
 
     def _dump_stacks(self, ranks: list[int], watchdog_fired: bool) -> dict[int, str]:
         """Each of ``ranks``' thread stacks: the dump its watchdog wrote at the task's deadline
@@ -308,22 +325,30 @@ def _wait_for_stories(paths: Iterable[str], timeout: float) -> bool:
         time.sleep(0.05)
 
 
-_POOLS: dict[int, RankPool] = {}
+_POOLS: dict[tuple[int, bool], RankPool] = {}
 
 
-def get_pool(world_size: int) -> RankPool:
+def _cuda_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def get_pool(world_size: int, cuda: bool = True) -> RankPool:
     """The live pool for ``world_size``, starting one (and retiring the least recently used pools
-    while more than ``MFSDP_TEST_MAX_LIVE_RANKS`` ranks would be alive)."""
-    pool = _POOLS.pop(world_size, None)
+    while more than ``MFSDP_TEST_MAX_LIVE_RANKS`` ranks would be alive). ``cuda=False``: ranks
+    that see no CUDA device (on a machine without one, the same pool as ``cuda=True``)."""
+    key = (world_size, cuda or not _cuda_here())
+    pool = _POOLS.pop(key, None)
     if pool is None or not pool.alive:
         live = sum(p.world_size for p in _POOLS.values())
-        for ws in list(_POOLS):
+        for other in list(_POOLS):
             if live + world_size <= _MAX_LIVE_RANKS:
                 break
-            live -= ws
-            _POOLS.pop(ws).shutdown()
-        pool = RankPool(world_size)
-    _POOLS[world_size] = pool  # most recently used last
+            live -= other[0]
+            _POOLS.pop(other).shutdown()
+        pool = RankPool(world_size, cuda=key[1])
+    _POOLS[key] = pool  # most recently used last
     return pool
 
 

@@ -64,7 +64,8 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture
 def ranks():
-    """``ranks(world_size)`` -> a live RankPool; ``pool.run(fn, *args)`` runs fn on every rank."""
+    """``ranks(world_size)`` -> a live RankPool; ``pool.run(fn, *args)`` runs fn on every rank;
+    ``ranks(world_size, cuda=False)``: one whose ranks see no CUDA device."""
     return get_pool
 
 

@@ -197,6 +197,21 @@ def test_parser_sees_markers_and_continuations(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("page", PAGES)
 def test_doc_code(page, ranks):
+    """The page's blocks as the docs mean them: on CPU ranks, on any machine (the ranks see no
+    GPU, so ``fully_shard`` without a mesh shards on CPU there too)."""
+    _run_page(page, ranks, cuda=False)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("page", PAGES)
+def test_doc_code_with_the_gpu_visible(page, ranks):
+    """The same blocks on gloo ranks that see the GPU: ``fully_shard`` without a mesh then puts
+    the params on CUDA, collectives on gloo (a gloo group on a GPU machine). Skipped without a
+    CUDA device, as every test marked cuda."""
+    _run_page(page, ranks, cuda=True)
+
+
+def _run_page(page: str, ranks, cuda: bool) -> None:
     missing = []
     for prog in programs(page):
         where = f"{prog.path}:{prog.line}"
@@ -206,7 +221,8 @@ def test_doc_code(page, ranks):
         elif prog.ranks is None:
             _exec(prog.code, where)
         else:
-            ranks(prog.ranks).run(_exec_as_torchrun, prog.code, where, timeout=180.0)
+            pool = ranks(prog.ranks, cuda=cuda)
+            pool.run(_exec_as_torchrun, prog.code, where, timeout=180.0)
     if missing:
         what = "not run, a module is missing: " + "; ".join(missing)
         if os.environ.get("CI") == "true":

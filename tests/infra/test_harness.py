@@ -48,6 +48,45 @@ def _rank_raise_on_one(bad):
     return "fine"
 
 
+def _rank_segfault_on_one(bad):
+    import os
+
+    if dist.get_rank() == bad:
+        _die_by_signal(os.getpid())
+    return "fine"
+
+
+def _die_by_signal(pid):
+    import os
+
+    os.kill(pid, signal.SIGSEGV)  # as a crash in C++ would: faulthandler's handler, then death
+    time.sleep(30)  # not reached
+
+
+def _rank_device_facts():
+    return torch.cuda.is_available(), torch._C._get_accelerator().type
+
+
+def test_a_rank_killed_by_a_signal_leaves_its_stack(ranks):
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        ranks(2).run(_rank_segfault_on_one, 1, timeout=60)
+    assert time.monotonic() - start < 30
+    message = str(info.value)
+    assert "rank 1: raised" in message and "exit code -11, SIGSEGV" in message, message
+    # faulthandler's dump as the rank died: the signal and the Python frames that raised it
+    assert "Segmentation fault" in message and "_die_by_signal" in message, message
+    assert "_rank_segfault_on_one" in message, message
+    assert "rank 0: ok" in message, message
+    assert ranks(2).run(_rank_identity) == [(0, 2), (1, 2)]  # a fresh pool
+
+
+def test_a_cpu_pool_sees_no_cuda_device(ranks):
+    # what fully_shard without a mesh reads: on a GPU machine the default pool says cuda
+    assert ranks(2, cuda=False).run(_rank_device_facts) == [(False, "cpu")] * 2
+    assert ranks(2, cuda=False).run(_rank_identity) == [(0, 2), (1, 2)]
+
+
 def test_a_hang_fails_fast_with_every_rank_story(ranks):
     pool = ranks(2)
     start = time.monotonic()
