@@ -118,7 +118,15 @@ def _check_same(step, wa, pa, wb, pb):
 
 def test_muon_and_adamw_without_host_sync_never_sync(tmp_path):
     """Every step after the first under ``set_sync_debug_mode("error")``, the skipped one
-    included; bit for bit the host-synced wrapper."""
+    included; bit for bit the host-synced wrapper.
+
+    Both run torch's fused kernel for AdamW (``triton_adam_step=False``): the host-synced
+    wrapper's first step is the class's own ``step()`` (torch's kernel, which creates the
+    state), while ``host_sync=False`` creates the state up front and runs the fast step from
+    the first, which with the Triton kernel would differ at that step in the last bits of
+    ``exp_avg`` (torch's kernel takes ``(1 - beta1) * grad`` in float64, the Triton kernel in
+    float32; seen on an H100). The captured test below covers Triton under
+    ``host_sync=False``."""
     from mfsdp_optim import OptimizerConfig
 
     with _nccl_world_of_one(tmp_path) as mesh:
@@ -129,7 +137,11 @@ def test_muon_and_adamw_without_host_sync_never_sync(tmp_path):
         shapes = MUON_SHAPES + ADAMW_SHAPES
         init = [torch.randn(s, device="cuda", generator=gen) for s in shapes]
         (wd, pd), (wh, ph) = [
-            _muon_adamw(mesh, init, OptimizerConfig(clip_grad=0.5, host_sync=host_sync))
+            _muon_adamw(
+                mesh,
+                init,
+                OptimizerConfig(clip_grad=0.5, host_sync=host_sync, triton_adam_step=False),
+            )
             for host_sync in (False, True)
         ]
         oks = []
