@@ -16,7 +16,8 @@
 # A machine that limits one command to 10 minutes takes the parts as separate commands: on
 # 2026-12-07 the whole suite in one process did not fit 540 s on an H200 (473 of 1176 tests),
 # nor did `tests-other` on an H100 (462 tests). So the suite runs in worker processes where
-# pytest-xdist is importable (below), and `tests-1of4` ... `tests-4of4` take it in slices. A
+# pytest-xdist is importable (below): in 6 workers the whole suite took 162 s on an H100 (same
+# day, 16 cores); `tests-1of4` ... `tests-4of4` take it in slices where that is not enough. A
 # step cut by its time limit is stopped with SIGINT: pytest still lists the failures so far and
 # the slowest 30 tests (in one process, MFSDP_GPU_WORKERS=0, the log also names each test as it
 # starts, so it says where the run was).
@@ -95,12 +96,12 @@ step() {
 # suite NAME PATH...: pytest over PATHs as step NAME (-v: each test's name in the log; -rs lists
 # the skips, -rf the failures; --timeout: one hung test cannot eat the step's whole limit)
 # With pytest-xdist importable (its wheel and execnet's in .whl/), the tests run in
-# ${MFSDP_GPU_WORKERS:-4} worker processes (each with its own pools of gloo ranks; 0: one
+# ${MFSDP_GPU_WORKERS:-6} worker processes (each with its own pools of gloo ranks; 0: one
 # process, the log then naming each test as it starts): the suite is about 1,200 tests, which
 # one process did not run within a 10-minute command.
 workers=()
-if [ "${MFSDP_GPU_WORKERS:-4}" != 0 ] && "$py" -c "import xdist" 2>/dev/null; then
-    workers=(-n "${MFSDP_GPU_WORKERS:-4}")
+if [ "${MFSDP_GPU_WORKERS:-6}" != 0 ] && "$py" -c "import xdist" 2>/dev/null; then
+    workers=(-n "${MFSDP_GPU_WORKERS:-6}")
 fi
 suite() {
     local name=$1
