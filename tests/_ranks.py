@@ -79,9 +79,14 @@ def _arm(stacks, timeout: float) -> None:
     """A fresh story for the next ``timeout`` seconds: ``stacks`` emptied, faulthandler's
     watchdog thread set to dump every thread into it at the deadline (no signal involved: it
     cannot be lost), and SIGUSR1 (re-)registered to dump on demand (an earlier task may have
-    replaced the handler; with the default one, SIGUSR1 would kill the rank before any dump)."""
+    replaced the handler; with the default one, SIGUSR1 would kill the rank before any dump).
+    A fatal signal (SIGSEGV in C++, SIGABRT, ...) writes every thread's stack as the rank dies:
+    faulthandler's handlers are (re-)installed too, since an earlier task's library may have
+    replaced them (seen in CI: a segfault after the trainers' tests left no stack)."""
     stacks.seek(0)
     stacks.truncate()
+    faulthandler.disable()  # enable() alone keeps handlers that another one has replaced since
+    faulthandler.enable(file=stacks, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     faulthandler.dump_traceback_later(timeout, file=stacks)
 
@@ -128,8 +133,6 @@ def _worker_main(rank, world_size, init_file, tasks, results, sys_path, stack_fi
     # torch warns on every multi-dim full_tensor(); the tests call it on purpose
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     stacks = open(stack_file, "w")  # noqa: SIM115 - lives as long as the worker
-    # a fatal signal (SIGSEGV in C++, SIGABRT, ...) writes every thread's stack as the rank dies
-    faulthandler.enable(file=stacks, all_threads=True)
     _arm(stacks, _READY_TIMEOUT_S)
     join_gloo_group(rank, world_size, init_file, _PG_TIMEOUT_S)
     faulthandler.cancel_dump_traceback_later()
