@@ -100,14 +100,15 @@ step() {
 # process, the log then naming each test as it starts): the suite is about 1,200 tests, which
 # one process did not run within a 10-minute command.
 workers=()
-if [ "${MFSDP_GPU_WORKERS:-6}" != 0 ] && "$py" -c "import xdist" 2>/dev/null; then
-    workers=(-n "${MFSDP_GPU_WORKERS:-6}")
+n_workers=${MFSDP_GPU_WORKERS:-6}
+if [ "$n_workers" != 0 ] && "$py" -c "import xdist" 2>/dev/null; then
+    workers=(-n "$n_workers")
 fi
 suite() {
     local name=$1
     shift
-    step "$name" "${MFSDP_GPU_SUITE_LIMIT:-540}" 60 "$py" -m pytest "$@" ${workers[@]+"${workers[@]}"} -v -rfs --timeout=120 \
-        --durations=30 -p no:cacheprovider
+    step "$name" "${MFSDP_GPU_SUITE_LIMIT:-540}" 60 "$py" -m pytest "$@" \
+        ${workers[@]+"${workers[@]}"} -v -rfs --timeout=120 --durations=30 -p no:cacheprovider
     {
         grep -E "[0-9]+ (passed|failed|errors?|skipped).* in [0-9.]+s" "$out/$name.log" | tail -n 1
         grep -E "^tests marked cuda:" "$out/$name.log" | tail -n 1  # tests/conftest.py's line

@@ -163,7 +163,6 @@ class RankPool:
 
     def __init__(self, world_size: int, cuda: bool = True):
         self.world_size = world_size
-        self.cuda = cuda  # False: the ranks see no CUDA device
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor"])
         self._dir = tempfile.mkdtemp(prefix=f"mfsdp_ranks{world_size}_")

@@ -5,6 +5,7 @@ a task that replaced the SIGUSR1 handler loses neither."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -49,16 +50,12 @@ def _rank_raise_on_one(bad):
 
 
 def _rank_segfault_on_one(bad):
-    import os
-
     if dist.get_rank() == bad:
         _die_by_signal(os.getpid())
     return "fine"
 
 
 def _die_by_signal(pid):
-    import os
-
     os.kill(pid, signal.SIGSEGV)  # as a crash in C++ would: faulthandler's handler, then death
     time.sleep(30)  # not reached
 
