@@ -226,3 +226,39 @@ def test_prepared_buffers_are_page_locked_at_their_exact_size(tmp_path):
     kept = buf.tensor
     _host_buffers.release()
     assert not kept.is_pinned()
+
+
+@pytest.mark.cuda
+def test_page_locking_lets_go_of_the_gil():
+    """On CUDA: the buffers are page-locked through the loaded libcudart by ctypes, which lets
+    go of the GIL, so another Python thread (training, beside a preparation) runs while
+    gigabytes are locked. torch's own binding holds the GIL: the other thread would not tick."""
+    import time
+
+    from mfsdp_optim.checkpoint._on_disk import _host_buffers
+
+    cudart = _host_buffers._cudart()
+    assert cudart.gil_free, "no shared libcudart among the process's libraries"
+    buf = torch.empty(1 << 29)  # 2 GiB of pages not yet faulted in: locking takes ~1 s
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    other = threading.Thread(target=tick)
+    other.start()
+    time.sleep(0.05)
+    t0 = time.perf_counter()
+    err = cudart.register(buf.data_ptr(), buf.numel() * 4, 1)
+    t1 = time.perf_counter()
+    stop.set()
+    other.join()
+    try:
+        assert err == 0 and buf.is_pinned()
+    finally:
+        cudart.unregister(buf.data_ptr())
+    during = sum(t0 < t < t1 for t in ticks)
+    assert t1 - t0 < 0.05 or during >= 0.2 * (t1 - t0) / 0.001, (t1 - t0, during)

@@ -17,7 +17,10 @@ pinned memory (torch sees registered memory as pinned).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
+import os
 import threading
 from typing import Any
 
@@ -53,9 +56,8 @@ class _Buffer:
 
 
 def _register(tensor: torch.Tensor) -> None:
-    cudart = torch.cuda.cudart()
     nbytes = tensor.numel() * tensor.element_size()
-    err = int(cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 1))  # cudaHostRegisterPortable
+    err = _cudart().register(tensor.data_ptr(), nbytes, 1)  # cudaHostRegisterPortable
     if err != 0:
         raise RuntimeError(
             f"could not page-lock the asynchronous save's {nbytes / 2**30:.2f} GiB host buffer "
@@ -65,7 +67,53 @@ def _register(tensor: torch.Tensor) -> None:
 
 
 def _unregister(tensor: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+    _cudart().unregister(tensor.data_ptr())
+
+
+class _Cudart:
+    """``cudaHostRegister`` and ``cudaHostUnregister`` of the CUDA runtime torch loaded, called
+    through ctypes, which lets go of the GIL for the call: page-locking gigabytes takes seconds
+    (it faults in every page), and ``torch.cuda.cudart()``'s bindings hold the GIL throughout,
+    so a preparation on a background thread would stop training's Python thread for as long.
+    Where no shared libcudart is found among the process's libraries (a torch that links it
+    statically), torch's bindings
+    are used."""
+
+    def __init__(self) -> None:
+        path = _loaded("libcudart.so")
+        if path is None:
+            rt = torch.cuda.cudart()
+            self.register = lambda ptr, n, flags: int(rt.cudaHostRegister(ptr, n, flags))
+            self.unregister = lambda ptr: int(rt.cudaHostUnregister(ptr))
+            self.gil_free = False
+            return
+        lib = ctypes.CDLL(path)  # the loaded library itself: dlopen returns its handle
+        reg, unreg = lib.cudaHostRegister, lib.cudaHostUnregister
+        reg.argtypes, reg.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint], ctypes.c_int
+        unreg.argtypes, unreg.restype = [ctypes.c_void_p], ctypes.c_int
+        self.register = lambda ptr, n, flags: int(reg(ptr, n, flags))
+        self.unregister = lambda ptr: int(unreg(ptr))
+        self.gil_free = True
+
+
+def _loaded(stem: str) -> str | None:
+    """The path of a shared library of the process whose file name starts with ``stem``
+    (Linux: ``/proc/self/maps``), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(None, 1)[-1]
+                if os.path.basename(path).startswith(stem):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+@functools.cache
+def _cudart() -> _Cudart:
+    torch.cuda.init()  # the runtime loaded (and its library mapped) before it is looked for
+    return _Cudart()
 
 
 _BUFFERS: dict[Key, _Buffer] = {}
