@@ -2,6 +2,7 @@
 
     python scripts/gloo_funcol_repro.py            # both all-gathers in flight, then waited
     python scripts/gloo_funcol_repro.py --serial   # each waited before the next is issued
+    python scripts/gloo_funcol_repro.py --device cuda [--serial]  # CUDA tensors over gloo
 
 Two CPU ranks, the default (world) gloo group, no code of this package. Each iteration issues
 two ``torch.distributed._functional_collectives`` all-gathers; by default both are in flight
@@ -30,21 +31,23 @@ from torch.distributed import _functional_collectives as funcol
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 
-def _rank(rank: int, world: int, init_file: str, iters: int, serial: bool) -> None:
+def _rank(rank: int, world: int, init_file: str, iters: int, serial: bool, device: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     group = dist.group.WORLD
+    if device == "cuda":  # every rank on the machine's GPUs in turn (one GPU: all on it)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     for i in range(iters):
         rows = 32 + i % 5  # sizes vary, so freed blocks are reused for other sizes
-        x = torch.full((rows, 64), float(rank))
-        y = torch.full((rows, 64), float(rank + 10))
+        x = torch.full((rows, 64), float(rank), device=device)
+        y = torch.full((rows, 64), float(rank + 10), device=device)
         if serial:
             a = funcol.wait_tensor(_all_gather(x, 0, group))
             b = funcol.wait_tensor(_all_gather(y, 0, group))
         else:
             pending = (_all_gather(x, 0, group), _all_gather(y, 0, group))
             a, b = (funcol.wait_tensor(t) for t in pending)
-        want = torch.arange(world, dtype=x.dtype).repeat_interleave(rows)
+        want = torch.arange(world, dtype=x.dtype, device=device).repeat_interleave(rows)
         if not (torch.equal(a[:, 0], want) and torch.equal(b[:, 0], want + 10)):
             raise AssertionError(f"rank {rank}: wrong all-gather result at iteration {i}")
     print(f"rank {rank}: {iters} iterations, no fault", flush=True)
@@ -55,13 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--serial", action="store_true", help="wait each collective before the next")
     p.add_argument("--iters", type=int, default=20_000, help="iterations per rank")
+    p.add_argument("--device", default="cpu", help="where the tensors live: cpu or cuda")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as d:
         try:
             mp.start_processes(
                 _rank,
-                args=(2, os.path.join(d, "init"), args.iters, args.serial),
+                args=(2, os.path.join(d, "init"), args.iters, args.serial, args.device),
                 nprocs=2,
                 start_method="spawn",
             )
