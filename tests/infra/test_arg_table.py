@@ -378,9 +378,19 @@ def _torch_adamw(p, g, m, v, s, divisor):
 
 
 @interpret
-def test_interpreted_adam_with_moving_grads(interpreted_adam):
+@pytest.mark.parametrize(
+    "shapes, programs",
+    [
+        ([(7, 3)] * 200 + [(0,), (4097,), (2048,)], None),
+        # 3 items a tensor, 4 items a program: programs start inside a tensor and cross into
+        # the next (the per-tensor scalars re-read where a run of items enters a tensor)
+        ([(5000,)] * 7 + [(7, 3)] * 5, 7),
+    ],
+)
+def test_interpreted_adam_with_moving_grads(interpreted_adam, shapes, programs, monkeypatch):
+    if programs is not None:
+        monkeypatch.setattr(_triton_adam, "_PROGRAMS_PER_SM", programs)
     tri, holder = TritonAdam(), _Holder()
-    shapes = [(7, 3)] * 200 + [(0,), (4097,), (2048,)]
     p, g, m, v, s = _lists(1, shapes)
     ref = [[x.clone() for x in xs] for xs in (p, m, v, s)]
     divisor = torch.tensor(2.5)

@@ -99,6 +99,23 @@ def _build() -> Any:
 
     first_tensor = device_helpers()["first_tensor"]
 
+    @triton.jit
+    def tensor_scalars(
+        t, numels, s_base, soffs_ptr, sidx, poffs, goffs, moffs, voffs, lr64, b1, b2
+    ):
+        # what the update of tensor t needs beside its elements
+        numel = tl.load(numels + t)
+        step = tl.load(s_base + tl.load(soffs_ptr + tl.load(sidx + t))) + 1.0
+        bc1 = (1.0 - libdevice.pow(b1, step.to(tl.float64))).to(tl.float32)
+        step_size = (lr64 / bc1.to(tl.float64)).to(tl.float32)
+        bc2 = (1.0 - libdevice.pow(b2, step.to(tl.float64))).to(tl.float32)
+        bc2_sqrt = libdevice.sqrt_rn(bc2)
+        p0 = tl.load(poffs + t)
+        g0 = tl.load(goffs + t)
+        m0 = tl.load(moffs + t)
+        v0 = tl.load(voffs + t)
+        return numel, step_size, bc2_sqrt, p0, g0, m0, v0
+
     @triton.jit(do_not_specialize=["n", "n_steps", "total_items", "items_per_prog", "num_progs"])
     def _adam_kernel(
         p_base,
@@ -161,28 +178,30 @@ def _build() -> Any:
             divisor = tl.load(divisor_ptr)
         lanes = tl.arange(0, BLOCK)
 
+        # per tensor, computed where a program's run of items enters it (not per item: the
+        # two float64 pows cost each of the program's threads hundreds of float64
+        # instructions): the bias corrections as the fused kernel takes them (float64 pow,
+        # kept as float32), the numel and the offsets of the tensor's first element
         t = first_tensor(cum, n, begin)
         seg_first = tl.load(cum + t)
         seg_end = tl.load(cum + t + 1)
+        numel, step_size, bc2_sqrt, p0, g0, m0, v0 = tensor_scalars(
+            t, numels, s_base, soffs_ptr, sidx, poffs, goffs_ptr, moffs, voffs, lr64, b1, b2
+        )
 
         for it in range(begin, end):
             if it >= seg_end:
                 t = t + 1
                 seg_first = seg_end
                 seg_end = tl.load(cum + t + 1)
-            numel = tl.load(numels + t)
-            step = tl.load(s_base + tl.load(soffs_ptr + tl.load(sidx + t))) + 1.0
-            # per tensor, as the fused kernel: bias corrections via float64 pow, kept as float32
-            bc1 = (1.0 - libdevice.pow(b1, step.to(tl.float64))).to(tl.float32)
-            step_size = (lr64 / bc1.to(tl.float64)).to(tl.float32)
-            bc2 = (1.0 - libdevice.pow(b2, step.to(tl.float64))).to(tl.float32)
-            bc2_sqrt = libdevice.sqrt_rn(bc2)
-
+                numel, step_size, bc2_sqrt, p0, g0, m0, v0 = tensor_scalars(
+                    t, numels, s_base, soffs_ptr, sidx, poffs, goffs_ptr, moffs, voffs, lr64, b1, b2
+                )
             e0 = (it - seg_first) * BLOCK
-            po = tl.load(poffs + t) + e0
-            go = tl.load(goffs_ptr + t) + e0
-            mo = tl.load(moffs + t) + e0
-            vo = tl.load(voffs + t) + e0
+            po = p0 + e0
+            go = g0 + e0
+            mo = m0 + e0
+            vo = v0 + e0
             if ALIGN > 1:
                 po = tl.multiple_of(po, ALIGN)
                 go = tl.multiple_of(go, ALIGN)
@@ -224,7 +243,9 @@ def _build() -> Any:
                 tl.store(s_base + so, cur + advance, mask=mk)
             tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
 
-    globals().update(tl=tl, libdevice=libdevice, first_tensor=first_tensor)
+    globals().update(
+        tl=tl, libdevice=libdevice, first_tensor=first_tensor, tensor_scalars=tensor_scalars
+    )
     return _adam_kernel
 
 
