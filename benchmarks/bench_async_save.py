@@ -88,9 +88,9 @@ def _register_probe(nbytes: int, run, alone: float) -> None:
     package's in 256 MiB pieces. Each line: the registration's time, the stand-in's beside it."""
     import threading
 
-    from mfsdp_optim.checkpoint._on_disk import _host_buffers as hb
+    from mfsdp_optim.checkpoint.seam import page_locker
 
-    rt, ours = torch.cuda.cudart(), hb._cudart()
+    rt, ours = torch.cuda.cudart(), page_locker()
     piece = 256 << 20
 
     def whole_torch(ptr: int, n: int) -> list[int]:

@@ -237,7 +237,7 @@ def test_page_locking_lets_go_of_the_gil():
 
     from mfsdp_optim.checkpoint._on_disk import _host_buffers
 
-    cudart = _host_buffers._cudart()
+    cudart = _host_buffers.cudart()
     assert cudart.gil_free, "no shared libcudart among the process's libraries"
     buf = torch.empty(1 << 29)  # 2 GiB of pages not yet faulted in: locking takes ~1 s
     ticks: list[float] = []

@@ -6,13 +6,16 @@ Map: for the wrapper layer (``optim``): ``GroupMetaTable`` / ``OptimizerStateDic
 one) and ``load_sharded_state_dicts`` (several optimizers' state dicts, one agreement). For the
 benchmarks: ``describe_state`` (this rank's keyspace description, what the detailed exchange
 would send), ``host_buffer_bytes`` / ``release_host_buffers`` (the asynchronous save's host
-buffers, kept between saves) and ``collective_bytes_sent`` (the bytes handed to the package's
-object gathers and max all-reduces so far in this process).
+buffers, kept between saves), ``page_locker`` (how those buffers are page-locked:
+``register(ptr, nbytes, flags)`` / ``unregister(ptr)``, ``gil_free``) and
+``collective_bytes_sent`` (the bytes handed to the package's object gathers and max all-reduces
+so far in this process).
 """
 
 from __future__ import annotations
 
 from .._infra import comm
+from ._on_disk._host_buffers import cudart as page_locker
 from ._on_disk._host_buffers import nbytes as host_buffer_bytes
 from ._on_disk._host_buffers import release as release_host_buffers
 from ._state_dict._keyspace import describe_state
@@ -26,6 +29,7 @@ __all__ = [
     "describe_state",
     "host_buffer_bytes",
     "load_sharded_state_dicts",
+    "page_locker",
     "release_host_buffers",
 ]
 

@@ -3,9 +3,10 @@ exactly its size, page-locked where the state is on CUDA, kept from one save to 
 
 Map: ``views`` (views of given shapes into the buffer of a key, made or re-made as needed, and
 the DTensors last built around them); ``nbytes`` (what the buffers hold); ``release`` (every
-buffer dropped, its pages unlocked). One lock (``LOCK``) guards them: a save's staging holds it
-for its copies, so a preparation running on another thread (``_async.prepare``) never makes a
-buffer twice nor replaces one that is being copied into.
+buffer dropped, its pages unlocked); ``cudart`` (the page-locking calls). One lock (``LOCK``)
+guards them: a save's staging holds it for its copies, so a preparation running on another
+thread (``_async.prepare``) never makes a buffer twice nor replaces one that is being copied
+into.
 
 Why page-locked by registering, not through torch's pinned allocator: the caching host
 allocator rounds every block up to a power of two (a 9 GiB state would lock 16 GiB) and keeps
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["LOCK", "Key", "nbytes", "release", "views"]
+__all__ = ["LOCK", "Key", "cudart", "nbytes", "release", "views"]
 
 Key = tuple[torch.dtype, str]  # (dtype, device type of the state copied into it)
 
@@ -57,7 +58,7 @@ class _Buffer:
 
 def _register(tensor: torch.Tensor) -> None:
     nbytes = tensor.numel() * tensor.element_size()
-    err = _cudart().register(tensor.data_ptr(), nbytes, 1)  # cudaHostRegisterPortable
+    err = cudart().register(tensor.data_ptr(), nbytes, 1)  # cudaHostRegisterPortable
     if err != 0:
         raise RuntimeError(
             f"could not page-lock the asynchronous save's {nbytes / 2**30:.2f} GiB host buffer "
@@ -67,7 +68,7 @@ def _register(tensor: torch.Tensor) -> None:
 
 
 def _unregister(tensor: torch.Tensor) -> None:
-    _cudart().unregister(tensor.data_ptr())
+    cudart().unregister(tensor.data_ptr())
 
 
 class _Cudart:
@@ -111,7 +112,7 @@ def _loaded(stem: str) -> str | None:
 
 
 @functools.cache
-def _cudart() -> _Cudart:
+def cudart() -> _Cudart:
     torch.cuda.init()  # the runtime loaded (and its library mapped) before it is looked for
     return _Cudart()
 
