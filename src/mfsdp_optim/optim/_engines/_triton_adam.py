@@ -116,6 +116,46 @@ def _build() -> Any:
         v0 = tl.load(voffs + t)
         return numel, step_size, bc2_sqrt, p0, g0, m0, v0
 
+    @triton.jit
+    def update_block(
+        p_ptrs, g_ptrs, m_ptrs, v_ptrs, mask, divisor, step_size, bc2_sqrt, b1f, b2f, omb1,
+        omb2, decay, wd32, eps32, FULL: tl.constexpr, HAS_DIVISOR: tl.constexpr,
+        ADAMW: tl.constexpr, MAXIMIZE: tl.constexpr,
+    ):  # fmt: skip
+        # one block of elements of one tensor (FULL: every lane in it, ``mask`` not read)
+        if FULL:
+            p = tl.load(p_ptrs).to(tl.float32)
+            g = tl.load(g_ptrs).to(tl.float32)
+            m = tl.load(m_ptrs).to(tl.float32)
+            v = tl.load(v_ptrs).to(tl.float32)
+        else:
+            p = tl.load(p_ptrs, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+            m = tl.load(m_ptrs, mask=mask, other=0.0).to(tl.float32)
+            v = tl.load(v_ptrs, mask=mask, other=0.0).to(tl.float32)
+        # elementwise math in float32 (float64 per element would make the kernel
+        # conversion-bound); divisions and square roots IEEE-rounded
+        if HAS_DIVISOR:
+            g = libdevice.div_rn(g, divisor)
+        if MAXIMIZE:
+            g = -g
+        if ADAMW:
+            p = p - decay * p
+        else:
+            g = g + p * wd32
+        m = b1f * m + omb1 * g
+        v = b2f * v + omb2 * g * g
+        denom = libdevice.div_rn(libdevice.sqrt_rn(v), bc2_sqrt) + eps32
+        p = p - libdevice.div_rn(step_size * m, denom)
+        if FULL:
+            tl.store(p_ptrs, p.to(p_ptrs.dtype.element_ty))
+            tl.store(m_ptrs, m.to(m_ptrs.dtype.element_ty))
+            tl.store(v_ptrs, v.to(v_ptrs.dtype.element_ty))
+        else:
+            tl.store(p_ptrs, p.to(p_ptrs.dtype.element_ty), mask=mask)
+            tl.store(m_ptrs, m.to(m_ptrs.dtype.element_ty), mask=mask)
+            tl.store(v_ptrs, v.to(v_ptrs.dtype.element_ty), mask=mask)
+
     @triton.jit(do_not_specialize=["n", "n_steps", "total_items", "items_per_prog", "num_progs"])
     def _adam_kernel(
         p_base,
@@ -174,8 +214,10 @@ def _build() -> Any:
         decay = (lr64 * wd).to(tl.float32)
         wd32 = wd.to(tl.float32)
         eps32 = eps64.to(tl.float32)
-        if HAS_DIVISOR:
+        if HAS_DIVISOR:  # noqa: SIM108 (a Triton kernel: a constexpr branch)
             divisor = tl.load(divisor_ptr)
+        else:
+            divisor = 1.0  # not read
         lanes = tl.arange(0, BLOCK)
 
         # per tensor, computed where a program's run of items enters it (not per item: the
@@ -207,28 +249,21 @@ def _build() -> Any:
                 go = tl.multiple_of(go, ALIGN)
                 mo = tl.multiple_of(mo, ALIGN)
                 vo = tl.multiple_of(vo, ALIGN)
-            mask = (e0 + lanes) < numel
-            p = tl.load(p_base + po + lanes, mask=mask, other=0.0).to(tl.float32)
-            g = tl.load(g_base + go + lanes, mask=mask, other=0.0).to(tl.float32)
-            m = tl.load(m_base + mo + lanes, mask=mask, other=0.0).to(tl.float32)
-            v = tl.load(v_base + vo + lanes, mask=mask, other=0.0).to(tl.float32)
-            # elementwise math in float32 (float64 per element would make the kernel
-            # conversion-bound); divisions and square roots IEEE-rounded
-            if HAS_DIVISOR:
-                g = libdevice.div_rn(g, divisor)
-            if MAXIMIZE:
-                g = -g
-            if ADAMW:
-                p = p - decay * p
+            # whole blocks unmasked (a mask over a runtime numel keeps Triton from vectorising
+            # the loads and stores), the tensor's last partial block masked
+            if e0 + BLOCK <= numel:
+                update_block(
+                    p_base + po + lanes, g_base + go + lanes, m_base + mo + lanes,
+                    v_base + vo + lanes, lanes, divisor, step_size, bc2_sqrt, b1f, b2f, omb1,
+                    omb2, decay, wd32, eps32, True, HAS_DIVISOR, ADAMW, MAXIMIZE,
+                )  # fmt: skip
             else:
-                g = g + p * wd32
-            m = b1f * m + omb1 * g
-            v = b2f * v + omb2 * g * g
-            denom = libdevice.div_rn(libdevice.sqrt_rn(v), bc2_sqrt) + eps32
-            p = p - libdevice.div_rn(step_size * m, denom)
-            tl.store(p_base + po + lanes, p.to(p_base.dtype.element_ty), mask=mask)
-            tl.store(m_base + mo + lanes, m.to(m_base.dtype.element_ty), mask=mask)
-            tl.store(v_base + vo + lanes, v.to(v_base.dtype.element_ty), mask=mask)
+                update_block(
+                    p_base + po + lanes, g_base + go + lanes, m_base + mo + lanes,
+                    v_base + vo + lanes, (e0 + lanes) < numel, divisor, step_size, bc2_sqrt,
+                    b1f, b2f, omb1, omb2, decay, wd32, eps32, False, HAS_DIVISOR, ADAMW,
+                    MAXIMIZE,
+                )  # fmt: skip
 
         # the last program to finish advances every step counter (nobody reads them after it),
         # by 0 where found_inf skipped the update
@@ -244,7 +279,11 @@ def _build() -> Any:
             tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
 
     globals().update(
-        tl=tl, libdevice=libdevice, first_tensor=first_tensor, tensor_scalars=tensor_scalars
+        tl=tl,
+        libdevice=libdevice,
+        first_tensor=first_tensor,
+        tensor_scalars=tensor_scalars,
+        update_block=update_block,
     )
     return _adam_kernel
 
