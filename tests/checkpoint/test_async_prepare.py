@@ -262,3 +262,15 @@ def test_page_locking_lets_go_of_the_gil():
         cudart.unregister(buf.data_ptr())
     during = sum(t0 < t < t1 for t in ticks)
     assert t1 - t0 < 0.05 or during >= 0.2 * (t1 - t0) / 0.001, (t1 - t0, during)
+
+
+def test_a_loaded_library_is_found_by_its_file_name():
+    """How the page-locking calls find the CUDA runtime torch loaded (``libcudart.so.*`` on a
+    CUDA build): by a file name's start among the process's mapped libraries; here torch's own
+    CPU library, loaded on every build, and a name that nothing has."""
+    from mfsdp_optim.checkpoint._on_disk import _host_buffers
+
+    found = _host_buffers._loaded("libtorch_cpu.so")
+    assert found is not None and os.path.basename(found).startswith("libtorch_cpu.so")
+    assert os.path.isfile(found)
+    assert _host_buffers._loaded("libno_such_library_here.so") is None
