@@ -198,20 +198,11 @@ def test_parser_sees_markers_and_continuations(tmp_path, monkeypatch):
 @pytest.mark.parametrize("page", PAGES)
 def test_doc_code(page, ranks):
     """The page's blocks as the docs mean them: on CPU ranks, on any machine (the ranks see no
-    GPU, so ``fully_shard`` without a mesh shards on CPU there too)."""
-    _run_page(page, ranks, cuda=False)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("page", PAGES)
-def test_doc_code_with_the_gpu_visible(page, ranks):
-    """The same blocks on gloo ranks that see the GPU: ``fully_shard`` without a mesh then puts
-    the params on CUDA, collectives on gloo (a gloo group on a GPU machine). Skipped without a
-    CUDA device, as every test marked cuda."""
-    _run_page(page, ranks, cuda=True)
-
-
-def _run_page(page: str, ranks, cuda: bool) -> None:
+    GPU, so ``fully_shard`` without a mesh shards on CPU there too). Not on gloo ranks that see
+    a GPU: ``fully_shard`` would put the params on CUDA, and torch's gloo backend all-gathers
+    no CUDA tensors (its backend table: only all_reduce and broadcast run on GPU), so a block's
+    ``full_tensor()`` kills the rank (on an H100, 2026-12-07: SIGSEGV; docs/troubleshooting.md,
+    "A rank dies in full_tensor() on a GPU machine")."""
     missing = []
     for prog in programs(page):
         where = f"{prog.path}:{prog.line}"
@@ -221,7 +212,7 @@ def _run_page(page: str, ranks, cuda: bool) -> None:
         elif prog.ranks is None:
             _exec(prog.code, where)
         else:
-            pool = ranks(prog.ranks, cuda=cuda)
+            pool = ranks(prog.ranks, cuda=False)
             pool.run(_exec_as_torchrun, prog.code, where, timeout=180.0)
     if missing:
         what = "not run, a module is missing: " + "; ".join(missing)
