@@ -274,3 +274,7 @@ def test_a_loaded_library_is_found_by_its_file_name():
     assert found is not None and os.path.basename(found).startswith("libtorch_cpu.so")
     assert os.path.isfile(found)
     assert _host_buffers._loaded("libno_such_library_here.so") is None
+    # a library without the page-locking functions, or none: torch's bindings are used instead
+    assert _host_buffers._ctypes_calls(found) is None
+    assert _host_buffers._ctypes_calls(None) is None
+    assert _host_buffers._ctypes_calls("/no/such/libcudart.so.13") is None

@@ -76,25 +76,33 @@ class _Cudart:
     through ctypes, which lets go of the GIL for the call: page-locking gigabytes takes seconds
     (it faults in every page), and ``torch.cuda.cudart()``'s bindings hold the GIL throughout,
     so a preparation on a background thread would stop training's Python thread for as long.
-    Where no shared libcudart is found among the process's libraries (a torch that links it
-    statically), torch's bindings
-    are used."""
+    Where no shared libcudart with both functions is among the process's libraries (a torch
+    that links the runtime statically), torch's bindings are used (``gil_free`` False)."""
 
     def __init__(self) -> None:
-        path = _loaded("libcudart.so")
-        if path is None:
+        calls = _ctypes_calls(_loaded("libcudart.so"))
+        self.gil_free = calls is not None
+        if calls is None:
             rt = torch.cuda.cudart()
-            self.register = lambda ptr, n, flags: int(rt.cudaHostRegister(ptr, n, flags))
-            self.unregister = lambda ptr: int(rt.cudaHostUnregister(ptr))
-            self.gil_free = False
-            return
-        lib = ctypes.CDLL(path)  # the loaded library itself: dlopen returns its handle
-        reg, unreg = lib.cudaHostRegister, lib.cudaHostUnregister
-        reg.argtypes, reg.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint], ctypes.c_int
-        unreg.argtypes, unreg.restype = [ctypes.c_void_p], ctypes.c_int
+            calls = rt.cudaHostRegister, rt.cudaHostUnregister
+        reg, unreg = calls
         self.register = lambda ptr, n, flags: int(reg(ptr, n, flags))
         self.unregister = lambda ptr: int(unreg(ptr))
-        self.gil_free = True
+
+
+def _ctypes_calls(path: str | None) -> tuple[Any, Any] | None:
+    """The library's ``cudaHostRegister`` and ``cudaHostUnregister`` as ctypes functions, or
+    None where it cannot be opened or lacks them."""
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(path)  # the loaded library itself: dlopen returns its handle
+        reg, unreg = lib.cudaHostRegister, lib.cudaHostUnregister
+    except (OSError, AttributeError):
+        return None
+    reg.argtypes, reg.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint], ctypes.c_int
+    unreg.argtypes, unreg.restype = [ctypes.c_void_p], ctypes.c_int
+    return reg, unreg
 
 
 def _loaded(stem: str) -> str | None:
@@ -113,6 +121,7 @@ def _loaded(stem: str) -> str | None:
 
 @functools.cache
 def cudart() -> _Cudart:
+    """The page-locking calls, looked up once (CUDA initialised first)."""
     torch.cuda.init()  # the runtime loaded (and its library mapped) before it is looked for
     return _Cudart()
 
