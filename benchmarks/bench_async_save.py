@@ -13,7 +13,10 @@ one run:
   * unprepared, for comparison: the buffers dropped, then one save that makes (and
     page-locks) them inside the call, as a first save without the preparation does;
   * the host memory the buffers hold against the state's bytes (one copy), and the synchronous
-    ``save_checkpoint`` of the same state.
+    ``save_checkpoint`` of the same state;
+  * on CUDA, last: page-locking as many bytes on a background thread in four ways (torch's
+    binding, the package's, the package's on pages faulted in first, the package's in pieces),
+    with the stand-in for training run over and over beside each (``_register_probe``).
 
 Each save's blocking time is the call alone (the state dict is built before it). Target (issue
 46): every save, the first included, at most 1.5x the floor on the GPU; one copy of host memory.
@@ -84,8 +87,12 @@ def _stand_in(device: torch.device, iters: int) -> tuple:
 def _register_probe(nbytes: int, run, alone: float) -> None:
     """How much page-locking ``nbytes`` of fresh pageable memory on a background thread slows
     the stand-in for training, for each way of calling ``cudaHostRegister``: torch's bindings
-    (which hold the GIL for the call), the package's (ctypes: the GIL let go), and the
-    package's in 256 MiB pieces. Each line: the registration's time, the stand-in's beside it."""
+    (which hold the GIL for the call), the package's (ctypes: the GIL let go), the package's
+    after the pages are faulted in by a ``zero_()`` (torch lets go of the GIL in it), and the
+    package's in 256 MiB pieces. The stand-in runs again and again until the locking is done;
+    each line: the locking's time, and the stand-in's runs beside it (their median and the
+    slowest against one run alone)."""
+    import statistics
     import threading
 
     from mfsdp_optim.checkpoint.seam import page_locker
@@ -93,19 +100,23 @@ def _register_probe(nbytes: int, run, alone: float) -> None:
     rt, ours = torch.cuda.cudart(), page_locker()
     piece = 256 << 20
 
-    def whole_torch(ptr: int, n: int) -> list[int]:
-        assert int(rt.cudaHostRegister(ptr, n, 1)) == 0
-        return [ptr]
+    def whole_torch(buf: torch.Tensor, n: int) -> list[int]:
+        assert int(rt.cudaHostRegister(buf.data_ptr(), n, 1)) == 0
+        return [buf.data_ptr()]
 
-    def whole_ours(ptr: int, n: int) -> list[int]:
-        assert ours.register(ptr, n, 1) == 0
-        return [ptr]
+    def whole_ours(buf: torch.Tensor, n: int) -> list[int]:
+        assert ours.register(buf.data_ptr(), n, 1) == 0
+        return [buf.data_ptr()]
 
-    def pieces_ours(ptr: int, n: int) -> list[int]:
+    def touched_ours(buf: torch.Tensor, n: int) -> list[int]:
+        buf.zero_()
+        return whole_ours(buf, n)
+
+    def pieces_ours(buf: torch.Tensor, n: int) -> list[int]:
         done = []
         for off in range(0, n, piece):
-            assert ours.register(ptr + off, min(piece, n - off), 1) == 0
-            done.append(ptr + off)
+            assert ours.register(buf.data_ptr() + off, min(piece, n - off), 1) == 0
+            done.append(buf.data_ptr() + off)
         return done
 
     print(
@@ -115,27 +126,30 @@ def _register_probe(nbytes: int, run, alone: float) -> None:
     for name, how in (
         ("torch bindings", whole_torch),
         ("ours, whole", whole_ours),
+        ("ours, pages touched first", touched_ours),
         ("ours, 256 MiB pieces", pieces_ours),
     ):
         buf = torch.empty(nbytes // 4, dtype=torch.float32)
         took: list[float] = []
         ptrs: list[int] = []
 
-        def reg(how, ptr: int, took: list[float], ptrs: list[int]) -> None:
+        def lock(how, buf: torch.Tensor, took: list[float], ptrs: list[int]) -> None:
             t = time.perf_counter()
-            ptrs.extend(how(ptr, nbytes - nbytes % 4))
+            ptrs.extend(how(buf, nbytes - nbytes % 4))
             took.append(time.perf_counter() - t)
 
-        th = threading.Thread(target=reg, args=(how, buf.data_ptr(), took, ptrs))
+        th = threading.Thread(target=lock, args=(how, buf, took, ptrs))
         th.start()
-        beside = run()
+        runs = [run()]
+        while th.is_alive():
+            runs.append(run())
         th.join()
         for ptr in ptrs:
             ours.unregister(ptr)
         del buf
         print(
-            f"  {name}: registered in {took[0]:.3f} s; the stand-in took {beside:.3f} s "
-            f"beside it ({beside / alone:.2f}x alone)"
+            f"  {name}: locked in {took[0]:.3f} s; {len(runs)} stand-in runs beside it, median "
+            f"{statistics.median(runs) / alone:.2f}x alone, slowest {max(runs) / alone:.2f}x"
         )
 
 
