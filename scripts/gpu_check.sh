@@ -23,7 +23,8 @@
 # starts, so it says where the run was).
 # Needs python3 with torch (CUDA), triton, pytest, hypothesis and pytest-timeout; the package
 # comes from src/ (PYTHONPATH), nothing is installed into python3's environment. Wheels in .whl/
-# at the repository root (pytest, hypothesis, pytest-timeout, ... for an image without them)
+# at the repository root (pytest, hypothesis, pytest-timeout, ... for an image without them;
+# git ignores the folder: copy it to the GPU machine with the working tree)
 # are installed first into ${MFSDP_WHEEL_SITE:-/tmp/site}, which goes on PYTHONPATH. Logs and
 # summary.txt go under ${OUT:-gpu_out}. Exit status 1 when any step failed. The time limits of a
 # suite step (540 s) and of the recipes (300 s) can be lowered with MFSDP_GPU_SUITE_LIMIT and
