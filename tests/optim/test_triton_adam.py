@@ -575,7 +575,9 @@ def test_kept_table_under_graph_capture():
 
 # ------------------------------------------------------------------- compiled, without a GPU
 
-_PINNED_TRITON = "3.9.0"  # the trainers extra's pin (pyproject.toml): the compiler API used here
+# the Triton releases whose compiler API (ASTSource, GPUTarget) the compile below was checked
+# against: the trainers extra's pin (pyproject.toml, CI) and the GPU image's (torch 2.11's own)
+_CHECKED_TRITONS = ("3.6.0", "3.9.0")
 # Triton's name of its NVIDIA backend: a compile target, no device asked for (not a CUDA test)
 _NVIDIA_BACKEND = "cuda"
 _ARGS = {
@@ -626,12 +628,12 @@ def _hopper_ptx(dtypes: dict[str, str], **flags) -> str:
     ids=["fp32", "adam-maximize-no-divisor", "bf16", "unaligned"],
 )
 def test_compiles_for_hopper_with_whole_blocks_vectorised(dtypes, flags, vectors):
-    """On any machine with the pinned Triton: the kernel compiles for sm_90 in each variant,
+    """On any machine with a checked Triton: the kernel compiles for sm_90 in each variant,
     and a whole block's loads are 16-byte vector loads where the lists are aligned (the
     masked tail alone used to decide it: a mask over a run-time numel keeps Triton from
     vectorising, and every load was one element)."""
     triton = pytest.importorskip("triton")
-    if triton.__version__ != _PINNED_TRITON:
-        pytest.skip(f"the compiler API of Triton {_PINNED_TRITON} (found {triton.__version__})")
+    if triton.__version__ not in _CHECKED_TRITONS:
+        pytest.skip(f"the compiler API of Triton {_CHECKED_TRITONS} (found {triton.__version__})")
     ptx = _hopper_ptx(dtypes, **flags)
     assert ptx.count("ld.global.v4") == vectors, ptx.count("ld.global.v4")
