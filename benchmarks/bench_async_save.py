@@ -14,9 +14,10 @@ one run:
     page-locks) them inside the call, as a first save without the preparation does;
   * the host memory the buffers hold against the state's bytes (one copy), and the synchronous
     ``save_checkpoint`` of the same state;
-  * on CUDA, last: page-locking as many bytes on a background thread in four ways (torch's
-    binding, the package's, the package's on pages faulted in first, the package's in pieces),
-    with the stand-in for training run over and over beside each (``_register_probe``).
+  * on CUDA, last: page-locking as many bytes on a background thread in five ways (torch's
+    binding, the package's call, the same on pages faulted in first, the same in pieces back to
+    back, and the package's own buffer: pieces with pauses, as a preparation locks them), with
+    the stand-in for training run over and over beside each (``_register_probe``).
 
 Each save's blocking time is the call alone (the state dict is built before it). Target (issue
 46): every save, the first included, at most 1.5x the floor on the GPU; one copy of host memory.
@@ -88,14 +89,15 @@ def _register_probe(nbytes: int, run, alone: float) -> None:
     """How much page-locking ``nbytes`` of fresh pageable memory on a background thread slows
     the stand-in for training, for each way of calling ``cudaHostRegister``: torch's bindings
     (which hold the GIL for the call), the package's (ctypes: the GIL let go), the package's
-    after the pages are faulted in by a ``zero_()`` (torch lets go of the GIL in it), and the
-    package's in 256 MiB pieces. The stand-in runs again and again until the locking is done;
-    each line: the locking's time, and the stand-in's runs beside it (their median and the
-    slowest against one run alone)."""
+    after the pages are faulted in by a ``zero_()`` (torch lets go of the GIL in it), the
+    package's in 256 MiB pieces back to back, and the package's own buffer
+    (``seam.locked_host_buffer``: 64 MiB pieces, 1 ms apart, as a preparation locks them). The
+    stand-in runs again and again until the locking is done; each line: the locking's time,
+    and the stand-in's runs beside it (their median and the slowest against one run alone)."""
     import statistics
     import threading
 
-    from mfsdp_optim.checkpoint.seam import page_locker
+    from mfsdp_optim.checkpoint.seam import locked_host_buffer, page_locker
 
     rt, ours = torch.cuda.cudart(), page_locker()
     piece = 256 << 20
@@ -119,6 +121,13 @@ def _register_probe(nbytes: int, run, alone: float) -> None:
             done.append(buf.data_ptr() + off)
         return done
 
+    kept: list = []
+
+    def package(buf: torch.Tensor, n: int) -> list[int]:  # what a preparation does
+        locked = locked_host_buffer(n // 4)
+        kept.append(locked)  # released (every piece unlocked) after the run
+        return []
+
     print(
         f"page-locking {nbytes / 2**30:.2f} GiB on a background thread (ours: gil_free="
         f"{ours.gil_free}); the stand-in alone {alone:.3f} s"
@@ -128,6 +137,7 @@ def _register_probe(nbytes: int, run, alone: float) -> None:
         ("ours, whole", whole_ours),
         ("ours, pages touched first", touched_ours),
         ("ours, 256 MiB pieces", pieces_ours),
+        ("the package's buffer (64 MiB pieces, 1 ms apart)", package),
     ):
         buf = torch.empty(nbytes // 4, dtype=torch.float32)
         took: list[float] = []
@@ -146,6 +156,9 @@ def _register_probe(nbytes: int, run, alone: float) -> None:
         th.join()
         for ptr in ptrs:
             ours.unregister(ptr)
+        for locked in kept:
+            locked.release()
+        kept.clear()
         del buf
         print(
             f"  {name}: locked in {took[0]:.3f} s; {len(runs)} stand-in runs beside it, median "

@@ -11,6 +11,7 @@ checked by the ``cuda``-marked test at the end and measured by ``benchmarks/benc
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import warnings
@@ -19,6 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from _checkpoint_helpers import global_params, global_state, same
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_async_checkpoint import GATE, GatedWriter, _load_fresh, _state, _trained
 
 from mfsdp_optim.checkpoint import load_checkpoint, prepare_async_save, save_checkpoint
@@ -267,14 +270,226 @@ def test_page_locking_lets_go_of_the_gil():
 def test_a_loaded_library_is_found_by_its_file_name():
     """How the page-locking calls find the CUDA runtime torch loaded (``libcudart.so.*`` on a
     CUDA build): by a file name's start among the process's mapped libraries; here torch's own
-    CPU library, loaded on every build, and a name that nothing has."""
+    CPU library, loaded on every build, the C library, and a name that nothing has."""
     from mfsdp_optim.checkpoint._on_disk import _host_buffers
 
-    found = _host_buffers._loaded("libtorch_cpu.so")
+    found = _host_buffers._loaded("libtorch_cpu")
     assert found is not None and os.path.basename(found).startswith("libtorch_cpu.so")
     assert os.path.isfile(found)
-    assert _host_buffers._loaded("libno_such_library_here.so") is None
-    # a library without the page-locking functions, or none: torch's bindings are used instead
-    assert _host_buffers._ctypes_calls(found) is None
+    assert _host_buffers._loaded("libno_such_library_here") is None
+    # a library without the page-locking functions (the C library: a symbol looked up through
+    # a library's handle is searched in what it links too, which for torch's own libraries on
+    # a CUDA build includes the runtime), or none: torch's bindings are used instead
+    libc = _host_buffers._loaded("libc")
+    assert libc is not None and _host_buffers._ctypes_calls(libc) is None
     assert _host_buffers._ctypes_calls(None) is None
     assert _host_buffers._ctypes_calls("/no/such/libcudart.so.13") is None
+    # the name must go on with "." or "-": a longer library's name is not a match
+    assert _host_buffers._loaded("libtorch_cp") is None
+
+
+def test_the_runtime_is_found_under_each_name_a_wheel_gives_it(tmp_path):
+    """``libcudart.so.13`` (torch's CUDA 13 wheels, beside it), ``libcudart-<hash>.so.12``
+    (wheels that bundle it), a mapping whose file was replaced since (`` (deleted)``), and no
+    match for a longer name (``libcudart_static``) or an anonymous mapping."""
+    from mfsdp_optim.checkpoint._on_disk import _host_buffers
+
+    def found(*paths: str) -> str | None:
+        maps = tmp_path / "maps"
+        maps.write_text(
+            "".join(f"7f00-7f01 r-xp 00000000 08:01 {i} {p}\n" for i, p in enumerate(paths))
+            + "7f02-7f03 rw-p 00000000 00:00 0\n"
+        )
+        return _host_buffers._loaded("libcudart", str(maps))
+
+    lib = "/x/nvidia/cu13/lib/libcudart.so.13"
+    assert found("/usr/lib/libc.so.6", lib) == lib
+    assert found("/x/torch/lib/libcudart-9335f6a2.so.12") == "/x/torch/lib/libcudart-9335f6a2.so.12"
+    assert found(f"{lib} (deleted)") == lib
+    assert found("/x/lib/libcudart_static.so", "/x/lib/libcudartx.so.1") is None
+    assert found() is None
+    assert _host_buffers._loaded("libcudart", str(tmp_path / "none")) is None
+
+
+class _FakeRuntime:
+    """Stands in for the CUDA runtime's page-locking calls on a machine without a GPU (the
+    bookkeeping of a buffer locked in pieces; the real calls are the cuda-marked tests'): it
+    keeps the registered ranges, refuses overlapping pages as the driver does, and fails the
+    ``fail_at``-th registration."""
+
+    def __init__(self, fail_at: int = -1):
+        self.ranges: dict[int, int] = {}
+        self.calls = 0
+        self.fail_at = fail_at
+        self.cleared = 0
+
+    def register(self, ptr: int, n: int, flags: int) -> int:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            return 2  # cudaErrorMemoryAllocation
+        page = 4096
+        lo, hi = ptr // page, -(-(ptr + n) // page)
+        for p, m in self.ranges.items():
+            if lo < -(-(p + m) // page) and p // page < hi:
+                return 712  # cudaErrorHostMemoryAlreadyRegistered
+        self.ranges[ptr] = n
+        return 0
+
+    def unregister(self, ptr: int) -> int:
+        return 0 if self.ranges.pop(ptr, None) is not None else 713
+
+    def clear_error(self) -> int:
+        self.cleared += 1
+        return 0
+
+
+@pytest.fixture
+def fake_runtime(monkeypatch):
+    from mfsdp_optim.checkpoint._on_disk import _host_buffers
+
+    rt = _FakeRuntime()
+    monkeypatch.setattr(_host_buffers, "cudart", lambda: rt)
+    monkeypatch.setattr(_host_buffers, "_PIECE_BYTES", 3 * _host_buffers._PAGE)
+    return rt
+
+
+@given(
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64, torch.uint8]),
+    numel=st.integers(1, 40_000),
+)
+@settings(max_examples=60, deadline=None)
+def test_a_buffer_is_locked_in_whole_pages_none_shared(dtype, numel):
+    """Locked in pieces: the buffer starts on a page; its pieces are whole pages, at most
+    ``_PIECE_BYTES`` each, one after the other, covering it and no page of anything else (the
+    allocation holds the rest of the last page), each registered once; a release unlocks every
+    one; two buffers side by side never share a page (the stand-in refuses that as the driver
+    does)."""
+    import unittest.mock
+
+    from mfsdp_optim.checkpoint._on_disk import _host_buffers
+
+    rt = _FakeRuntime()
+    page = _host_buffers._PAGE
+    with (
+        unittest.mock.patch.object(_host_buffers, "cudart", lambda: rt),
+        unittest.mock.patch.object(_host_buffers, "_PIECE_BYTES", 3 * page),
+    ):
+        bufs = [_host_buffers._Buffer(dtype, numel, locked=True) for _ in range(2)]
+        for buf in bufs:
+            t = buf.tensor
+            assert t.numel() == numel and t.dtype == dtype and t.data_ptr() % page == 0
+            nbytes = numel * dtype.itemsize
+            assert sum(n for _, n in buf.pieces) == -(-nbytes // page) * page
+            ptr = t.data_ptr()
+            for p, n in buf.pieces:
+                assert p == ptr and n % page == 0 and 0 < n <= 3 * page
+                ptr += n
+            storage = t.untyped_storage()
+            assert ptr <= storage.data_ptr() + storage.nbytes()  # its own allocation
+            seams = buf.seams()
+            assert seams == [(p - t.data_ptr()) // dtype.itemsize for p, _ in buf.pieces[1:]]
+        assert len(rt.ranges) == sum(len(b.pieces) for b in bufs) == rt.calls
+        for buf in bufs:
+            buf.release()
+            assert not buf.locked
+        assert rt.ranges == {}
+
+
+@given(
+    seams=st.lists(st.integers(1, 500), max_size=6, unique=True).map(sorted),
+    offset=st.integers(0, 400),
+    numel=st.integers(0, 200),
+)
+def test_a_copy_is_cut_where_two_pieces_meet(seams, offset, numel):
+    """``_segments``: consecutive ranges that cover the view exactly, each inside one piece (no
+    seam strictly inside it), cut at every seam strictly inside the view."""
+    from mfsdp_optim.checkpoint._on_disk._host_buffers import _segments
+
+    ranges = _segments(offset, numel, seams)
+    assert ranges[0][0] == 0 and ranges[-1][1] == numel
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+    inside = [s - offset for s in seams if offset < s < offset + numel]
+    assert [b for _, b in ranges[:-1]] == inside
+    for a, b in ranges:
+        assert not any(a < s - offset < b for s in seams)
+
+
+def test_copies_into_a_buffer_locked_in_pieces_land_whole(fake_runtime):
+    """The staging's copies into a buffer locked in pieces (a few pages each here): every view
+    holds its source afterwards, bit for bit, whether it lies in one piece or spans several,
+    contiguous or not."""
+    from mfsdp_optim.checkpoint._on_disk import _host_buffers
+
+    g = torch.Generator().manual_seed(0)
+    sources = [
+        torch.randn(3000, generator=g),  # spans a seam (3 pages a piece: 3,072 floats)
+        torch.randn(5, generator=g),
+        torch.randn(40, 250, generator=g),  # spans two
+        torch.randn(300, 20, generator=g).t(),  # not contiguous, spans a seam: copied whole
+        torch.randn(7, generator=g),
+    ]
+    key = (torch.float32, "cuda")
+    with _host_buffers.LOCK:
+        old = _host_buffers._BUFFERS.get(key)
+        total = sum(s.numel() for s in sources)
+        _host_buffers._BUFFERS[key] = buf = _host_buffers._Buffer(torch.float32, total, True)
+        sizes = [s.numel() for s in sources]
+        try:
+            assert len(buf.seams()) >= 4
+            views = [v.view(s.shape) for v, s in zip(buf.tensor.split(sizes), sources, strict=True)]
+            _host_buffers.copy_in(key, views, sources)
+            assert all(torch.equal(v, s) for v, s in zip(views, sources, strict=True))
+        finally:
+            buf.release()
+            if old is None:
+                _host_buffers._BUFFERS.pop(key)
+            else:
+                _host_buffers._BUFFERS[key] = old
+    assert fake_runtime.ranges == {}
+
+
+def test_a_failed_piece_leaves_nothing_locked(fake_runtime):
+    """The third piece fails: the two locked before it are unlocked, the runtime's error is
+    taken off the thread (else the next kernel launch would report it), and the error says
+    what to do."""
+    from mfsdp_optim.checkpoint._on_disk import _host_buffers
+
+    fake_runtime.fail_at = 3
+    with pytest.raises(RuntimeError, match="CUDA error 2.*save synchronously"):
+        _host_buffers._Buffer(torch.float32, 10 * _host_buffers._PAGE, True)
+    assert fake_runtime.calls == 3 and fake_runtime.ranges == {} and fake_runtime.cleared == 1
+
+
+@pytest.mark.cuda
+def test_pieces_are_page_locked_and_copies_across_them_are_exact(tmp_path, monkeypatch):
+    """On CUDA, with pieces of 1 MiB: a prepared buffer of several pieces is page-locked in
+    each (torch sees every piece as pinned), a save's copies across the seams are bit for bit
+    (loaded back), and releasing the buffer unlocks every piece."""
+    from mfsdp_optim.checkpoint._on_disk import _host_buffers
+
+    monkeypatch.setattr(_host_buffers, "_PIECE_BYTES", 1 << 20)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    live = {
+        "a": torch.randn(300_001, device="cuda", generator=g),  # 1.14 MiB: spans a seam
+        "b": torch.randn(1000, 1000, device="cuda", generator=g),  # 3.8 MiB: spans four
+        "c": torch.randn(3, device="cuda", generator=g),
+    }
+    sd = {"s": live}
+    prepare_async_save(sd).wait(timeout=120)
+    (buf,) = _host_buffers._BUFFERS.values()
+    assert len(buf.pieces) == 5 and all(
+        buf.tensor[(p - buf.tensor.data_ptr()) // 4 :].is_pinned() for p, _ in buf.pieces
+    )
+    want = {k: v.cpu() for k, v in live.items()}
+    with warnings.catch_warnings():
+        _quiet()
+        save = save_checkpoint(sd, str(tmp_path / "c"), asynchronous=True)
+        for v in live.values():
+            v.add_(1)
+        save.wait(timeout=120)
+    target = {"s": {k: torch.zeros_like(v) for k, v in want.items()}}
+    load_checkpoint(target, str(tmp_path / "c"))
+    assert all(torch.equal(target["s"][k], v) for k, v in want.items())
+    kept = buf.tensor
+    _host_buffers.release()
+    assert not any(kept[(p - kept.data_ptr()) // 4 :].is_pinned() for p, _ in buf.pieces)

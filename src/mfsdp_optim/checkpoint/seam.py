@@ -7,7 +7,8 @@ one) and ``load_sharded_state_dicts`` (several optimizers' state dicts, one agre
 benchmarks: ``describe_state`` (this rank's keyspace description, what the detailed exchange
 would send), ``host_buffer_bytes`` / ``release_host_buffers`` (the asynchronous save's host
 buffers, kept between saves), ``page_locker`` (how those buffers are page-locked:
-``register(ptr, nbytes, flags)`` / ``unregister(ptr)``, ``gil_free``) and
+``register(ptr, nbytes, flags)`` / ``unregister(ptr)``, ``gil_free``), ``locked_host_buffer``
+(one such buffer, page-locked as a preparation locks them) and
 ``collective_bytes_sent`` (the bytes handed to the package's object gathers and max all-reduces
 so far in this process).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from .._infra import comm
 from ._on_disk._host_buffers import cudart as page_locker
+from ._on_disk._host_buffers import locked as locked_host_buffer
 from ._on_disk._host_buffers import nbytes as host_buffer_bytes
 from ._on_disk._host_buffers import release as release_host_buffers
 from ._state_dict._keyspace import describe_state
@@ -29,6 +31,7 @@ __all__ = [
     "describe_state",
     "host_buffer_bytes",
     "load_sharded_state_dicts",
+    "locked_host_buffer",
     "page_locker",
     "release_host_buffers",
 ]

@@ -180,8 +180,7 @@ def _copy_flat(sources: list[torch.Tensor]) -> list[_Copy]:
             if key[1] == "cpu":
                 torch._foreach_copy_(views, srcs)
             else:
-                for view, src in zip(views, srcs, strict=True):
-                    view.copy_(src, non_blocking=True)
+                _host_buffers.copy_in(key, views, srcs)
             for slot, i in enumerate(idx):
                 out[i] = _Copy(views[slot], wrapped, slot)
         if any(key[1] == "cuda" for key in groups):
@@ -312,7 +311,7 @@ def prepare(state_dict: Mapping[str, Any], background: bool = True) -> PrepareHa
                 futures.wait([handle._future])  # its error stays for its wait() / settle()
             with _host_buffers.LOCK:
                 for key, shapes in wanted.items():
-                    _host_buffers.views(key, shapes, touch=True)
+                    _host_buffers.views(key, shapes, touch=True, pause=background)
             result.set_result(None)
         except BaseException as exc:  # noqa: BLE001 - reported by the handle's wait()
             result.set_exception(exc)
