@@ -200,6 +200,22 @@ def test_prepared_on_some_ranks_only(ranks, tmp_path):
     assert out[0]["kept"] == out[0]["prepared"], out  # the saves reused what was prepared
 
 
+def _saved_while_training(sd, path: str) -> bool:
+    """An asynchronous save of ``sd`` (``{"s": {name: CUDA tensor}}``), its tensors changed in
+    place while it runs, waited for and loaded back: whether it holds the values at the call."""
+    live = sd["s"]
+    want = {k: v.cpu() for k, v in live.items()}
+    with warnings.catch_warnings():
+        _quiet()
+        save = save_checkpoint(sd, path, asynchronous=True)
+        for v in live.values():
+            v.add_(1)
+        save.wait(timeout=120)
+    target = {"s": {k: torch.zeros_like(v) for k, v in want.items()}}
+    load_checkpoint(target, path)
+    return all(torch.equal(target["s"][k], v) for k, v in want.items())
+
+
 @pytest.mark.cuda
 def test_prepared_buffers_are_page_locked_at_their_exact_size(tmp_path):
     """On CUDA: the prepared buffers are page-locked (registered), hold the state's exact size
@@ -215,17 +231,8 @@ def test_prepared_buffers_are_page_locked_at_their_exact_size(tmp_path):
     (buf,) = _host_buffers._BUFFERS.values()
     assert buf.tensor.is_pinned() and buf.tensor.numel() == 768 * 1024 + 1
     ptr = buf.tensor.data_ptr()
-    want = {k: v.cpu() for k, v in live.items()}
-    with warnings.catch_warnings():
-        _quiet()
-        save = save_checkpoint(sd, str(tmp_path / "c"), asynchronous=True)
-        for v in live.values():
-            v.add_(1)
-        save.wait(timeout=120)
+    assert _saved_while_training(sd, str(tmp_path / "c"))
     assert _host_buffers._BUFFERS[(torch.float32, "cuda")].tensor.data_ptr() == ptr
-    target = {"s": {k: torch.zeros_like(v) for k, v in want.items()}}
-    load_checkpoint(target, str(tmp_path / "c"))
-    assert all(torch.equal(target["s"][k], v) for k, v in want.items())
     kept = buf.tensor
     _host_buffers.release()
     assert not kept.is_pinned()
@@ -480,16 +487,7 @@ def test_pieces_are_page_locked_and_copies_across_them_are_exact(tmp_path, monke
     assert len(buf.pieces) == 5 and all(
         buf.tensor[(p - buf.tensor.data_ptr()) // 4 :].is_pinned() for p, _ in buf.pieces
     )
-    want = {k: v.cpu() for k, v in live.items()}
-    with warnings.catch_warnings():
-        _quiet()
-        save = save_checkpoint(sd, str(tmp_path / "c"), asynchronous=True)
-        for v in live.values():
-            v.add_(1)
-        save.wait(timeout=120)
-    target = {"s": {k: torch.zeros_like(v) for k, v in want.items()}}
-    load_checkpoint(target, str(tmp_path / "c"))
-    assert all(torch.equal(target["s"][k], v) for k, v in want.items())
+    assert _saved_while_training(sd, str(tmp_path / "c"))
     kept = buf.tensor
     _host_buffers.release()
     assert not any(kept[(p - kept.data_ptr()) // 4 :].is_pinned() for p, _ in buf.pieces)
