@@ -14,9 +14,10 @@ one run:
     page-locks) them inside the call, as a first save without the preparation does;
   * the host memory the buffers hold against the state's bytes (one copy), and the synchronous
     ``save_checkpoint`` of the same state;
-  * on CUDA, last: page-locking as many bytes on a background thread in five ways (torch's
-    binding, the package's call, the same on pages faulted in first, the same in pieces back to
-    back, and the package's own buffer: pieces with pauses, as a preparation locks them), with
+  * on CUDA, last: page-locking as many bytes on a background thread in seven ways (torch's
+    binding, the package's call on the whole, the same on pages faulted in first, and the
+    package's own buffer in pieces: as a preparation locks it, and three other pieces and
+    pauses), with
     the stand-in for training run over and over beside each (``_register_probe``).
 
 Each save's blocking time is the call alone (the state dict is built before it). Target (issue
@@ -89,18 +90,17 @@ def _register_probe(nbytes: int, run, alone: float) -> None:
     """How much page-locking ``nbytes`` of fresh pageable memory on a background thread slows
     the stand-in for training, for each way of calling ``cudaHostRegister``: torch's bindings
     (which hold the GIL for the call), the package's (ctypes: the GIL let go), the package's
-    after the pages are faulted in by a ``zero_()`` (torch lets go of the GIL in it), the
-    package's in 256 MiB pieces back to back, and the package's own buffer
-    (``seam.locked_host_buffer``: 64 MiB pieces, 1 ms apart, as a preparation locks them). The
-    stand-in runs again and again until the locking is done; each line: the locking's time,
-    and the stand-in's runs beside it (their median and the slowest against one run alone)."""
+    after the pages are faulted in by a ``zero_()`` (torch lets go of the GIL in it), and the
+    package's own buffer (``seam.locked_host_buffer``) as a preparation locks it (64 MiB pieces,
+    1 ms apart) and with other pieces and pauses, to choose them from. The stand-in runs again
+    and again until the locking is done; each line: the locking's time, and the stand-in's runs
+    beside it (their median and the slowest against one run alone)."""
     import statistics
     import threading
 
     from mfsdp_optim.checkpoint.seam import locked_host_buffer, page_locker
 
     rt, ours = torch.cuda.cudart(), page_locker()
-    piece = 256 << 20
 
     def whole_torch(buf: torch.Tensor, n: int) -> list[int]:
         assert int(rt.cudaHostRegister(buf.data_ptr(), n, 1)) == 0
@@ -114,19 +114,14 @@ def _register_probe(nbytes: int, run, alone: float) -> None:
         buf.zero_()
         return whole_ours(buf, n)
 
-    def pieces_ours(buf: torch.Tensor, n: int) -> list[int]:
-        done = []
-        for off in range(0, n, piece):
-            assert ours.register(buf.data_ptr() + off, min(piece, n - off), 1) == 0
-            done.append(buf.data_ptr() + off)
-        return done
-
     kept: list = []
 
-    def package(buf: torch.Tensor, n: int) -> list[int]:  # what a preparation does
-        locked = locked_host_buffer(n // 4)
-        kept.append(locked)  # released (every piece unlocked) after the run
-        return []
+    def package(piece: int | None, pause: float | None):
+        def lock(buf: torch.Tensor, n: int) -> list[int]:  # the package's own buffer
+            kept.append(locked_host_buffer(n // 4, pause=pause, piece=piece))
+            return []  # released (every piece unlocked) after the run
+
+        return lock
 
     print(
         f"page-locking {nbytes / 2**30:.2f} GiB on a background thread (ours: gil_free="
@@ -136,8 +131,10 @@ def _register_probe(nbytes: int, run, alone: float) -> None:
         ("torch bindings", whole_torch),
         ("ours, whole", whole_ours),
         ("ours, pages touched first", touched_ours),
-        ("ours, 256 MiB pieces", pieces_ours),
-        ("the package's buffer (64 MiB pieces, 1 ms apart)", package),
+        ("the package's buffer as it is (64 MiB pieces, 1 ms apart)", package(None, None)),
+        ("the package's buffer, 64 MiB pieces back to back", package(64 << 20, 0.0)),
+        ("the package's buffer, 256 MiB pieces, 1 ms apart", package(256 << 20, 0.001)),
+        ("the package's buffer, 1 GiB pieces back to back", package(1 << 30, 0.0)),
     ):
         buf = torch.empty(nbytes // 4, dtype=torch.float32)
         took: list[float] = []

@@ -402,6 +402,17 @@ def test_a_buffer_is_locked_in_whole_pages_none_shared(dtype, numel):
         assert rt.ranges == {}
 
 
+def test_pieces_of_a_given_size_are_whole_pages():
+    """A piece size of the caller's (the benchmark's choices) is rounded down to whole pages,
+    never below one; the last piece takes the rest, rounded up to its page."""
+    from mfsdp_optim.checkpoint._on_disk._host_buffers import _PAGE, _pieces
+
+    sizes = [n for _, n in _pieces(0, 10 * _PAGE - 5, 4 * _PAGE + 100)]
+    assert sizes == [4 * _PAGE, 4 * _PAGE, 2 * _PAGE]
+    assert [n for _, n in _pieces(_PAGE, 3 * _PAGE, 1)] == [_PAGE] * 3
+    assert [p for p, _ in _pieces(_PAGE, 3 * _PAGE, 1)] == [_PAGE, 2 * _PAGE, 3 * _PAGE]
+
+
 @given(
     seams=st.lists(st.integers(1, 500), max_size=6, unique=True).map(sorted),
     offset=st.integers(0, 400),

@@ -56,7 +56,8 @@ class _Buffer:
     """One flat host tensor of ``numel`` elements, page-locked (registered) in pieces when
     ``locked``; ``release`` unlocks it (its memory is freed with the last view of it).
     ``touch``: an unlocked buffer's pages are faulted in (locking does it for a locked one);
-    ``pause``: seconds between two pieces. A failure part-way unlocks the pieces locked before
+    ``pause``: seconds between two pieces; ``piece``: their bytes (``_PIECE_BYTES`` when None,
+    rounded down to whole pages). A failure part-way unlocks the pieces locked before
     it, then raises: nothing stays locked."""
 
     __slots__ = ("tensor", "pieces")
@@ -68,6 +69,7 @@ class _Buffer:
         locked: bool,
         touch: bool = False,
         pause: float = 0.0,
+        piece: int | None = None,
     ):
         self.pieces: list[tuple[int, int]] = []  # (address, bytes) of each registration
         if not (locked and numel):
@@ -77,7 +79,7 @@ class _Buffer:
             return
         self.tensor = _page_aligned(dtype, numel)
         try:
-            for ptr, n in _pieces(self.tensor.data_ptr(), numel * dtype.itemsize):
+            for ptr, n in _pieces(self.tensor.data_ptr(), numel * dtype.itemsize, piece):
                 if self.pieces and pause:
                     time.sleep(pause)
                 _register(ptr, n)
@@ -115,11 +117,12 @@ def _round_up(nbytes: int) -> int:
     return -(-nbytes // _PAGE) * _PAGE
 
 
-def _pieces(ptr: int, nbytes: int) -> list[tuple[int, int]]:
+def _pieces(ptr: int, nbytes: int, piece: int | None = None) -> list[tuple[int, int]]:
     """The registrations of ``nbytes`` from the page-aligned address ``ptr``: whole pages, at
-    most ``_PIECE_BYTES`` each (the last one rounded up to its page)."""
+    most ``piece`` bytes each (``_PIECE_BYTES`` when None; the last one rounded up to its
+    page)."""
     span = _round_up(nbytes)
-    step = max(_PAGE, _PIECE_BYTES // _PAGE * _PAGE)
+    step = max(_PAGE, (piece or _PIECE_BYTES) // _PAGE * _PAGE)
     return [(ptr + off, min(step, span - off)) for off in range(0, span, step)]
 
 
@@ -271,12 +274,13 @@ def copy_in(key: Key, views: list[torch.Tensor], sources: list[torch.Tensor]) ->
                 flat_view[a:b].copy_(flat_src[a:b], non_blocking=True)
 
 
-def locked(numel: int, pause: bool = True) -> _Buffer:
-    """A float32 buffer of ``numel`` elements, page-locked as the save's buffers are (in pieces;
-    ``pause``: as on a preparation's background thread), outside the kept ones (the
-    benchmarks): its ``tensor``, ``pieces`` (address and bytes of each registration) and
-    ``release()``."""
-    return _Buffer(torch.float32, numel, True, pause=_PAUSE_S if pause else 0.0)
+def locked(numel: int, pause: float | None = None, piece: int | None = None) -> _Buffer:
+    """A float32 buffer of ``numel`` elements, page-locked as the save's buffers are, outside
+    the kept ones (the benchmarks): in pieces of ``piece`` bytes (None: the package's) with
+    ``pause`` seconds between them (None: as on a preparation's background thread). Its
+    ``tensor``, ``pieces`` (address and bytes of each registration) and ``release()``."""
+    wait = _PAUSE_S if pause is None else pause
+    return _Buffer(torch.float32, numel, True, pause=wait, piece=piece)
 
 
 def nbytes() -> int:
