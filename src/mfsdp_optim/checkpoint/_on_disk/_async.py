@@ -311,7 +311,7 @@ def prepare(state_dict: Mapping[str, Any], background: bool = True) -> PrepareHa
                 futures.wait([handle._future])  # its error stays for its wait() / settle()
             with _host_buffers.LOCK:
                 for key, shapes in wanted.items():
-                    _host_buffers.views(key, shapes, touch=True, pause=background)
+                    _host_buffers.views(key, shapes, touch=True, paced=background)
             result.set_result(None)
         except BaseException as exc:  # noqa: BLE001 - reported by the handle's wait()
             result.set_exception(exc)

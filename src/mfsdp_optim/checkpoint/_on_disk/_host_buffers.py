@@ -222,7 +222,7 @@ _VIEWS: dict[Key, tuple[_Buffer, tuple[torch.Size, ...], list[torch.Tensor], lis
 
 
 def views(
-    key: Key, shapes: tuple[torch.Size, ...], touch: bool = False, pause: bool = False
+    key: Key, shapes: tuple[torch.Size, ...], touch: bool = False, paced: bool = False
 ) -> tuple[list[torch.Tensor], list[Any]]:
     """Views of ``shapes``, one after the other, into the host buffer of ``key`` (made when
     missing or of another size: the old one is dropped first, so at most one copy is held), and
@@ -231,7 +231,7 @@ def views(
     caller makes sure no copy of an earlier save still reads the buffer (``_async.settle``).
     ``touch``: a buffer made here has its pages faulted in (a preparation: page-locking does it
     for CUDA state, writing zeros for CPU state), so the first copy into it runs at full speed;
-    ``pause``: between the pieces it page-locks (a preparation on a background thread)."""
+    ``paced``: a pause between the pieces it page-locks (a preparation on a background thread)."""
     with LOCK:
         buf = _BUFFERS.get(key)
         cached = _VIEWS.get(key)
@@ -246,7 +246,7 @@ def views(
                 old.release()
             del old
             locked = key[1] == "cuda" and torch.cuda.is_available()
-            wait = _PAUSE_S if pause else 0.0
+            wait = _PAUSE_S if paced else 0.0
             buf = _BUFFERS[key] = _Buffer(key[0], total, locked, touch, wait)
         made = [v.view(s) for v, s in zip(buf.tensor.split(sizes), shapes, strict=True)]
         wrapped: list[Any] = [None] * len(made)
@@ -263,10 +263,10 @@ def copy_in(key: Key, views: list[torch.Tensor], sources: list[torch.Tensor]) ->
         seams = buf.seams()
         base, size = buf.tensor.data_ptr(), buf.tensor.element_size()
         for view, src in zip(views, sources, strict=True):
-            ranges = [(0, 0)]
+            ranges = []
             if seams and src.is_contiguous():
                 ranges = _segments((view.data_ptr() - base) // size, view.numel(), seams)
-            if len(ranges) == 1:
+            if len(ranges) < 2:  # in one piece (or a non-contiguous source: whole)
                 view.copy_(src, non_blocking=True)
                 continue
             flat_view, flat_src = view.view(-1), src.view(-1)
