@@ -371,7 +371,11 @@ def test_the_kernels_under_tritons_interpreter_in_a_process_of_their_own():
         pytest.skip("this process is the interpreter's run")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     probe = subprocess.run(
-        [sys.executable, "-c", _INTERPRETER_PROBE], env=env, capture_output=True, text=True
+        [sys.executable, "-c", _INTERPRETER_PROBE],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     if probe.returncode != 0:
         assert "only 0-dimensional arrays" in probe.stderr, probe.stderr[-2000:]
