@@ -17,8 +17,8 @@ one run:
   * on CUDA, last: page-locking as many bytes on a background thread in seven ways (torch's
     binding, the package's call on the whole, the same on pages faulted in first, and the
     package's own buffer in pieces: as a preparation locks it, and three other pieces and
-    pauses), with
-    the stand-in for training run over and over beside each (``_register_probe``).
+    pauses), with the stand-in for training run over and over beside each
+    (``_register_probe``).
 
 Each save's blocking time is the call alone (the state dict is built before it). Target (issue
 46): every save, the first included, at most 1.5x the floor on the GPU; one copy of host memory.

@@ -331,10 +331,11 @@ class _FakeRuntime:
         self.cleared = 0
 
     def register(self, ptr: int, n: int, flags: int) -> int:
+        from mfsdp_optim.checkpoint._on_disk._host_buffers import _PAGE as page
+
         self.calls += 1
         if self.calls == self.fail_at:
             return 2  # cudaErrorMemoryAllocation
-        page = 4096
         lo, hi = ptr // page, -(-(ptr + n) // page)
         for p, m in self.ranges.items():
             if lo < -(-(p + m) // page) and p // page < hi:
